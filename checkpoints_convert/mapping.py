@@ -1,0 +1,91 @@
+"""Declarative HF <-> Megatron parameter mapping: the rule type and the transforms it names.
+
+A family's table is a list of ``Rule``s.  The table knows names, the tensor transform and which
+Megatron dimension tensor parallelism splits; gathering across TP / PP ranks happens outside it.
+The same table drives the convert CLI and the weight-sync exporter, so HF names exist in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+import torch
+
+COPY, QKV = "copy", "qkv"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron tensor and the HF tensor(s) it is made of.
+
+    mcore:  Megatron name; ``{i}`` is the block index.
+    hf:     HF name(s); three for a fused QKV (q, k, v order).
+    transform: COPY (same tensor) or QKV (per-head interleave of q, k, v along dim 0).
+    tp_dim: dimension of the Megatron tensor split over TP ranks (0 column-parallel, 1 row-parallel),
+            None when every TP rank holds the whole tensor.
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    transform: str = COPY
+    tp_dim: int | None = None
+
+    def expand(self, i: int) -> "Rule":
+        return Rule(self.mcore.format(i=i), tuple(h.format(i=i) for h in self.hf), self.transform, self.tp_dim)
+
+
+def expand_rules(global_rules: list[Rule], block_rules: list[Rule], num_layers: int) -> list[Rule]:
+    """The table of a whole model: global tensors, then every block's in order (blocks 0..L-1)."""
+    return list(global_rules) + [r.expand(i) for i in range(num_layers) for r in block_rules]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """[H*D, ...] x3 -> [H*3*D, ...] with rows grouped per head as (q_h, k_h, v_h).
+
+    This is Megatron's fused-QKV layout: a contiguous split of dim 0 over TP ranks gives each rank
+    whole heads, which is what lets the same global tensor serve every TP size.
+    """
+    parts = [t.reshape(heads, -1, *t.shape[1:]) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def split_qkv(fused: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`."""
+    per_head = fused.reshape(heads, 3, -1, *fused.shape[1:])
+    return tuple(per_head[:, j].reshape(-1, *fused.shape[1:]).contiguous() for j in range(3))
+
+
+def tp_shard(tensor: torch.Tensor, tp_dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The slice of a global Megatron tensor held by ``tp_rank``."""
+    if tp_dim is None or tp_size == 1:
+        return tensor
+    if tensor.shape[tp_dim] % tp_size:
+        raise ValueError(f"dimension {tp_dim} of size {tensor.shape[tp_dim]} does not split over TP={tp_size}")
+    return tensor.chunk(tp_size, dim=tp_dim)[tp_rank].contiguous()
+
+
+def to_mcore(rule: Rule, hf_get: Callable[[str], torch.Tensor], heads: int) -> torch.Tensor:
+    """The global (unsharded) Megatron tensor of ``rule`` from HF tensors."""
+    tensors = [hf_get(name) for name in rule.hf]
+    if rule.transform == QKV:
+        return fuse_qkv(*tensors, heads=heads)
+    return tensors[0]
+
+
+def to_hf(rule: Rule, mcore_tensor: torch.Tensor, heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF (name, tensor) pairs of ``rule`` from its global Megatron tensor."""
+    if rule.transform == QKV:
+        yield from zip(rule.hf, split_qkv(mcore_tensor, heads))
+    else:
+        yield rule.hf[0], mcore_tensor
+
+
+def hf_shapes(rules: list[Rule], mcore_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """HF tensor shapes implied by global Megatron shapes (QKV rows divide by 3)."""
+    out = {}
+    for rule in rules:
+        shape = tuple(mcore_shapes[rule.mcore])
+        if rule.transform == QKV:
+            shape = (shape[0] // 3, *shape[1:])
+        out.update({h: shape for h in rule.hf})
+    return out

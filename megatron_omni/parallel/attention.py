@@ -1,0 +1,24 @@
+"""Core attention for joint (text + image/video) DiT attention, in Megatron's [s, b, ...] layout.
+
+This is the single-device core: PyTorch SDPA over the whole joint sequence.  The context-parallel
+(USP: Ulysses x ring) variant wraps the same call; model code only sees ``forward(q, k, v, mask)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class JointSDPACoreAttention(torch.nn.Module):
+    """softmax(q k^T / sqrt(D) + mask) v for q, k, v of shape [S, B, N, D]; returns [S, B, N*D].
+
+    The mask is boolean [B, 1, 1, S] (True = attend) or None.  Without a mask SDPA may choose the
+    flash kernel; with one it uses cuDNN / memory-efficient attention (flash refuses boolean masks).
+    """
+
+    def forward(self, q_SBND: torch.Tensor, k_SBND: torch.Tensor, v_SBND: torch.Tensor,
+                attn_mask_B11S: torch.Tensor | None = None) -> torch.Tensor:
+        q_BNSD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBND, v_SBND))
+        out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, attn_mask=attn_mask_B11S)
+        s, b, n, d = q_SBND.shape
+        return out_BNSD.permute(2, 0, 1, 3).reshape(s, b, n * d)

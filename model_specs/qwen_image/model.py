@@ -1,0 +1,99 @@
+"""Qwen-Image MMDiT as a MegatronModule: embed -> blocks -> head.  Mirrors diffusers
+``QwenImageTransformer2DModel`` (base variant) in Megatron's [s, b, h] layout.
+
+Inputs and outputs stay batch-first like diffusers so samplers and rewards need not care:
+img_BIC [B, S_I, in_channels] (2x2-packed latents), txt_BTE [B, S_T, joint_attention_dim],
+sigma_B [B] in [0, 1], text_mask_BT [B, S_T] bool (True = real token) or None.
+Returns the velocity [B, S_I, patch^2 * out_channels].
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from model_specs.qwen_image.conditioning import (
+    TIME_PROJ_DIM, QwenImageConditioning, joint_attention_mask, rope_freqs, timestep_sinusoid,
+)
+from model_specs.qwen_image.config import QwenImageConfig
+from model_specs.qwen_image.spec import NORM_EPS, qwen_image_block_spec
+
+
+def _replicated_linear(config: TransformerConfig, n_in: int, n_out: int) -> torch.nn.Linear:
+    """A small linear kept whole on every TP rank, initialised like the parallel ones (same seed
+    and order on every rank, so replicas start equal; their inputs are equal, so they stay equal)."""
+    layer = torch.nn.Linear(n_in, n_out, dtype=config.params_dtype)
+    if config.perform_initialization:
+        config.init_method(layer.weight)
+        torch.nn.init.zeros_(layer.bias)
+    return layer
+
+
+class QwenImageModel(MegatronModule):
+    def __init__(self, arch: QwenImageConfig, config: TransformerConfig, tp_group,
+                 block_spec: ModuleSpec | None = None):
+        super().__init__(config=config)
+        arch.validate(tp_group.size())
+        self.arch = arch
+        hidden = arch.hidden_size
+        block_spec = block_spec or qwen_image_block_spec("auto")
+        # time_text_embed.timestep_embedder: Linear(256, H) -> SiLU -> Linear(H, H), split over TP
+        self.time_linear_1 = ColumnParallelLinear(TIME_PROJ_DIM, hidden, config=config, init_method=config.init_method,
+                                                  bias=True, gather_output=False, tp_group=tp_group)
+        self.time_linear_2 = RowParallelLinear(hidden, hidden, config=config, bias=True, input_is_parallel=True,
+                                               init_method=config.output_layer_init_method, skip_bias_add=False,
+                                               tp_group=tp_group)
+        self.txt_norm = torch.nn.RMSNorm(arch.joint_attention_dim, eps=NORM_EPS, dtype=config.params_dtype)
+        self.txt_in = _replicated_linear(config, arch.joint_attention_dim, hidden)
+        self.img_in = _replicated_linear(config, arch.in_channels, hidden)
+        self.blocks = torch.nn.ModuleList(
+            build_module(block_spec, config=config, layer_number=i + 1, tp_group=tp_group)
+            for i in range(arch.num_layers)
+        )
+        # norm_out (AdaLayerNormContinuous): LayerNorm without affine, modulated by Linear(H, 2H) -> (scale, shift)
+        self.norm_out_linear = _replicated_linear(config, hidden, 2 * hidden)
+        self.norm_out = torch.nn.LayerNorm(hidden, eps=NORM_EPS, elementwise_affine=False)
+        self.proj_out = _replicated_linear(config, hidden, arch.out_features)
+
+    def conditioning(self, sigma_B: torch.Tensor, img_fhw: tuple[int, int, int], text_len: int,
+                     text_mask_BT: torch.Tensor | None) -> QwenImageConditioning:
+        dtype = self.txt_in.weight.dtype
+        sinus_BF = timestep_sinusoid(sigma_B, dtype=dtype).to(dtype)
+        temb, _ = self.time_linear_2(torch.nn.functional.silu(self.time_linear_1(sinus_BF)[0]))
+        img_freqs, txt_freqs = rope_freqs(img_fhw, text_len, self.arch.axes_dims_rope, self.arch.rope_theta,
+                                          device=sigma_B.device)
+        image_len = img_fhw[0] * img_fhw[1] * img_fhw[2]
+        return QwenImageConditioning(temb_BH=temb, txt_freqs=txt_freqs, img_freqs=img_freqs,
+                                     attn_mask_B11S=joint_attention_mask(text_mask_BT, image_len), text_len=text_len)
+
+    def forward(self, img_BIC: torch.Tensor, txt_BTE: torch.Tensor, sigma_B: torch.Tensor,
+                img_fhw: tuple[int, int, int], text_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+        _check_inputs(self.arch, img_BIC, txt_BTE, sigma_B, img_fhw, text_mask_BT)
+        cond = self.conditioning(sigma_B, img_fhw, txt_BTE.shape[1], text_mask_BT)
+        txt_TBH = self.txt_in(self.txt_norm(txt_BTE)).transpose(0, 1)
+        img_IBH = self.img_in(img_BIC).transpose(0, 1)
+        hidden_SBH = torch.cat([txt_TBH, img_IBH], dim=0)
+        for block in self.blocks:
+            hidden_SBH = block(hidden_SBH, cond)
+        img_IBH = hidden_SBH[cond.text_len:]
+        scale_BH, shift_BH = self.norm_out_linear(torch.nn.functional.silu(cond.temb_BH)).chunk(2, dim=-1)
+        img_IBH = self.norm_out(img_IBH) * (1 + scale_BH[None]) + shift_BH[None]
+        return self.proj_out(img_IBH).transpose(0, 1)
+
+
+def _check_inputs(arch: QwenImageConfig, img_BIC, txt_BTE, sigma_B, img_fhw, text_mask_BT) -> None:
+    """Shape errors a caller can make, reported in the caller's terms (not from deep inside a matmul)."""
+    b = img_BIC.shape[0]
+    n_img = img_fhw[0] * img_fhw[1] * img_fhw[2]
+    if img_BIC.dim() != 3 or img_BIC.shape[1:] != (n_img, arch.in_channels):
+        raise ValueError(f"image tokens have shape {tuple(img_BIC.shape)}; expected [B, {n_img}, {arch.in_channels}] "
+                         f"for img_fhw={tuple(img_fhw)}")
+    if txt_BTE.dim() != 3 or txt_BTE.shape[0] != b or txt_BTE.shape[2] != arch.joint_attention_dim:
+        raise ValueError(f"text embeddings have shape {tuple(txt_BTE.shape)}; expected [{b}, S_T, "
+                         f"{arch.joint_attention_dim}]")
+    if tuple(sigma_B.shape) != (b,):
+        raise ValueError(f"timesteps have shape {tuple(sigma_B.shape)}; expected [{b}]")
+    if text_mask_BT is not None and tuple(text_mask_BT.shape) != tuple(txt_BTE.shape[:2]):
+        raise ValueError(f"text mask has shape {tuple(text_mask_BT.shape)}; expected {tuple(txt_BTE.shape[:2])}")
