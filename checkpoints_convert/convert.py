@@ -1,0 +1,117 @@
+"""HF (diffusers folder) <-> Megatron distributed checkpoint conversion, driven by the mapping table.
+
+Both directions validate everything before writing anything, and write atomically: on any error
+the output path is left as it was.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from checkpoints_convert.hf_folder import ConversionError, HFFolder, atomic_output_dir, write_hf_folder
+from checkpoints_convert.mapping import Rule, to_hf, to_mcore
+from checkpoints_convert.mcore_checkpoint import load_global_tensors, read_meta, save_global_tensors
+from checkpoints_convert.qwen_image import qwen_image_rules
+from model_specs.qwen_image.config import DIFFUSERS_CLASS, QwenImageConfig
+
+FAMILY = "qwen_image"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _arch_from(config: dict, source: str, tp: int = 1, pp: int = 1) -> QwenImageConfig:
+    try:
+        arch = QwenImageConfig.from_diffusers(config)
+        arch.validate(tp)
+    except ValueError as e:
+        raise ConversionError(f"{source}: {e}") from None
+    if pp < 1 or pp > arch.num_layers:
+        raise ConversionError(f"pipeline-parallel size {pp} must be between 1 and num_layers={arch.num_layers}")
+    return arch
+
+
+def expected_hf_shapes(arch: QwenImageConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of the diffusers reference class itself, built on the meta device (no memory)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    kwargs = {k: v for k, v in arch.to_diffusers().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        ref = QwenImageTransformer2DModel(**kwargs)
+    return {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+
+
+def _check_hf_tensors(folder: HFFolder, rules: list[Rule], arch: QwenImageConfig) -> None:
+    expected = expected_hf_shapes(arch)
+    needed = {h for r in rules for h in r.hf}
+    assert needed == set(expected), "mapping table out of step with diffusers' parameter names"
+    present = set(folder.keys())
+    if missing := sorted(needed - present):
+        raise ConversionError(f"{folder.path} lacks {len(missing)} tensor(s) of {DIFFUSERS_CLASS}, "
+                              f"e.g. {missing[:3]}")
+    if unexpected := sorted(present - needed):
+        raise ConversionError(f"{folder.path} has {len(unexpected)} tensor(s) unknown to {DIFFUSERS_CLASS}, "
+                              f"e.g. {unexpected[:3]}")
+    for name in sorted(needed):
+        if folder.shape(name) != expected[name]:
+            raise ConversionError(f"tensor {name!r} in {folder.path} has shape {folder.shape(name)}; "
+                                  f"expected {expected[name]} for the config.json given")
+
+
+def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1,
+                dtype: str | None = None, progress: bool = True) -> dict:
+    """Convert a diffusers transformer folder into a Megatron distributed checkpoint.
+
+    ``tp`` / ``pp`` are validated against the architecture and recorded as the intended layout; the
+    stored tensors are global, so the checkpoint also loads at any other valid TP / PP.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    folder = HFFolder(hf_dir)
+    arch = _arch_from(folder.config, str(folder.path / "config.json"), tp, pp)
+    rules = qwen_image_rules(arch)
+    _check_hf_tensors(folder, rules, arch)
+    tensors = {}
+    for rule in tqdm(rules, desc="hf -> mcore", unit="tensor", disable=not progress):
+        t = to_mcore(rule, folder.get, arch.num_attention_heads)
+        tensors[rule.mcore] = t.to(DTYPES[dtype]) if dtype else t
+    meta = {"family": FAMILY, "arch": arch.to_diffusers(), "tp": tp, "pp": pp,
+            "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.")}
+    with atomic_output_dir(out_dir) as tmp:
+        save_global_tensors(tmp, tensors, meta)
+    return meta
+
+
+def _hf_tensors(rules: list[Rule], tensors: dict[str, torch.Tensor], heads: int,
+                progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    for rule in tqdm(rules, desc="mcore -> hf", unit="tensor", disable=not progress):
+        yield from to_hf(rule, tensors[rule.mcore], heads)
+
+
+def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True,
+                max_shard_bytes: int | None = None) -> dict:
+    """Convert a Megatron distributed checkpoint (any TP / PP it was written at) to a diffusers folder."""
+    meta = read_meta(mcore_dir)
+    if meta.get("family") != FAMILY:
+        raise ConversionError(f"{mcore_dir} holds model family {meta.get('family')!r}; expected {FAMILY!r}")
+    arch = _arch_from(meta["arch"], f"{mcore_dir} (megatron_omni metadata)")
+    rules = qwen_image_rules(arch)
+    tensors = load_global_tensors(mcore_dir)
+    needed = {r.mcore for r in rules}
+    if missing := sorted(needed - set(tensors)):
+        raise ConversionError(f"{mcore_dir} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+    expected = expected_hf_shapes(arch)
+    with atomic_output_dir(out_dir) as tmp:
+        kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
+        pairs = _checked(_hf_tensors(rules, tensors, arch.num_attention_heads, progress), expected, mcore_dir)
+        write_hf_folder(tmp, arch.to_diffusers(), pairs, **kwargs)
+    return meta
+
+
+def _checked(pairs, expected, source) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in pairs:
+        if tuple(t.shape) != expected[name]:
+            raise ConversionError(f"tensor {name!r} from {source} has shape {tuple(t.shape)}; expected "
+                                  f"{expected[name]}")
+        yield name, t
