@@ -1,0 +1,58 @@
+"""Named recipes: plain functions returning a :class:`RunConfig`, registered under their function name.
+
+A recipe is the starting point of a run; a YAML file and ``a.b=c`` overrides are merged on top of it
+(:func:`megatron_omni.config.load_config`). Add one with ``@register_recipe`` on a function of no arguments.
+"""
+from typing import Callable
+
+from model_specs.qwen_image.config import QwenImageConfig, tiny_config
+
+from .schema import ConfigError, LoggingConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+
+Recipe = Callable[[], RunConfig]
+_RECIPES: dict[str, Recipe] = {}
+
+
+def register_recipe(fn: Recipe) -> Recipe:
+    if fn.__name__ in _RECIPES:
+        raise ValueError(f"recipe {fn.__name__!r} is already registered; expected a new name")
+    _RECIPES[fn.__name__] = fn
+    return fn
+
+
+def recipe_names() -> list[str]:
+    return sorted(_RECIPES)
+
+
+def get_recipe(name: str) -> RunConfig:
+    """A fresh RunConfig from the recipe ``name`` (not yet validated)."""
+    if name not in _RECIPES:
+        raise ConfigError(f"unknown recipe {name!r} (known: {', '.join(recipe_names())})")
+    return _RECIPES[name]()
+
+
+@register_recipe
+def qwen_image_tiny() -> RunConfig:
+    """Tiny random-init Qwen-Image (2 blocks, 4 heads): CPU tests and the demo (tp*ulysses <= 4, pp <= 2)."""
+    return RunConfig(
+        parallel=ParallelConfig(),
+        model=ModelConfig(arch=tiny_config(), dtype="float32"),  # float32: CPU kernels, exact parity tests
+        train=TrainConfig(steps=4, lr=1e-4, micro_batch_size=1, global_batch_size=4, output_dir="runs/demo"),
+        logging=LoggingConfig(wandb_mode="offline", project="megatron-omni-demo"),
+    )
+
+
+@register_recipe
+def qwen_image_full() -> RunConfig:
+    """Full-size Qwen-Image (20B, 60 blocks, 24 heads) on one 8-GPU node: tp=4 x cp=2 (Ulysses).
+
+    Set ``model.hf_path`` to the ``transformer/`` folder of a diffusers Qwen-Image snapshot, or
+    ``model.mcore_path`` to a checkpoint converted from it.
+    """
+    return RunConfig(
+        parallel=ParallelConfig(tp=4, cp=2, ulysses=2),
+        model=ModelConfig(arch=QwenImageConfig(), dtype="bfloat16"),
+        train=TrainConfig(steps=1000, lr=1e-5, micro_batch_size=1, global_batch_size=32, save_every=50,
+                          output_dir="runs/qwen_image_full"),
+        logging=LoggingConfig(wandb_mode="offline", project="megatron-omni"),
+    )
