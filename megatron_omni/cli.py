@@ -1,0 +1,125 @@
+"""``megatron-omni``: the command line of the project.
+
+    megatron-omni train --recipe qwen_image_tiny [--config run.yaml] [--print-config] [a.b=c ...]
+    megatron-omni convert {hf-to-mcore,mcore-to-hf} ...   (checkpoints_convert.cli)
+    megatron-omni demo [...]                              (megatron_omni.demo: the main job)
+    megatron-omni generate | bench                        (not built yet)
+
+``convert`` and ``demo`` hand their arguments, ``--help`` included, to the module that implements
+them; it is imported only then, so the other subcommands do not pay for its imports.
+"""
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+from megatron_omni.config import ConfigError, config_to_yaml, load_config, recipe_names
+
+PROG = "megatron-omni"
+EXIT_USAGE = 2  # argparse's code for a command line that cannot run: bad config, command not built yet
+
+# subcommand -> module whose main(argv) -> int receives the rest of the command line
+FORWARDED = {"convert": "checkpoints_convert.cli", "demo": "megatron_omni.demo"}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in FORWARDED:
+        return _forward(argv[0], argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) and usage errors (2): return the code instead of exiting
+        return _exit_code(e)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    return args.handler(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="RL post-training for diffusion transformers on megatron-core.",
+        epilog=f"Run `{PROG} COMMAND --help` for the options of a command.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(sub)
+    # Listed here for the help text only: main() forwards these before argparse runs.
+    sub.add_parser("convert", add_help=False, help="convert checkpoints HF diffusers <-> megatron-core "
+                   "(hf-to-mcore --hf DIR --out DIR --tp N [--pp N] | mcore-to-hf --mcore DIR --out DIR)")
+    sub.add_parser("demo", add_help=False, help="run the demo job (tiny Qwen-Image on this machine)")
+    for name, what in (("generate", "sample images from a checkpoint"),
+                       ("bench", "measure rollout and training throughput")):
+        p = sub.add_parser(name, help=f"{what} (not built yet)",
+                           description=f"{what}. Not built yet: this command exits with code {EXIT_USAGE}.")
+        p.set_defaults(handler=_not_built)
+    return parser
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="RL post-training run (validates the config; the loop is not built yet)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Resolve and validate a run config: the recipe, then the YAML file, then the\n"
+                    "KEY=VALUE overrides (later wins). The RL training loop itself is not built yet\n"
+                    "(it lands with the FlowGRPO issue): without --print-config this validates the\n"
+                    f"config and exits with code {EXIT_USAGE}.",
+        epilog="example:\n  megatron-omni train --recipe qwen_image_tiny --print-config \\\n"
+               "      parallel.tp=2 model.arch.num_layers=4 'model.arch.axes_dims_rope=[8,8,16]' train.lr=1e-4")
+    p.add_argument("--recipe", choices=recipe_names(), help="named recipe to start from")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file merged on top of the recipe; "
+                   "checked against the same dataclasses (unknown keys are errors)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit 0")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. parallel.tp=2 model.arch.num_layers=4 train.lr=1e-4")
+    p.set_defaults(handler=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    if args.recipe is None and args.config is None:
+        _error("train", "give --recipe NAME and/or --config FILE.yaml "
+                        f"(recipes: {', '.join(recipe_names())})")
+        return EXIT_USAGE
+    try:
+        cfg = load_config(args.recipe, args.config, args.overrides)
+    except ConfigError as e:
+        _error("train", str(e))
+        return EXIT_USAGE
+    if args.print_config:
+        print(config_to_yaml(cfg), end="")
+        return 0
+    _error("train", "the config is valid, but the RL training loop is not built yet (it lands with the "
+                    "FlowGRPO issue); use --print-config to see the resolved config")
+    return EXIT_USAGE
+
+
+def _not_built(args: argparse.Namespace) -> int:
+    _error(args.command, "not built yet; nothing was run")
+    return EXIT_USAGE
+
+
+def _forward(command: str, argv: list[str]) -> int:
+    module_name = FORWARDED[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:  # a missing optional dependency, or a checkout without the module
+        _error(command, f"cannot import {module_name}: {e}")
+        return 1
+    try:
+        return int(module.main(argv) or 0)
+    except SystemExit as e:  # its argparse exits on --help and on usage errors
+        return _exit_code(e)
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)  # sys.exit("message") convention
+    return 1
+
+
+def _error(command: str, message: str) -> None:
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

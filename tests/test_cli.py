@@ -1,0 +1,75 @@
+"""`megatron-omni`: run in-process through main([...]), and once as `python -m megatron_omni.cli`."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_omni import cli
+from megatron_omni.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_module_entry_point_help_subprocess():
+    out = subprocess.run([sys.executable, "-m", "megatron_omni.cli", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for command in ("train", "convert", "generate", "bench", "demo"):
+        assert command in out.stdout
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--help"], "--print-config"),
+    (["generate", "--help"], "Not built yet"),
+    (["bench", "--help"], "Not built yet"),
+    (["convert", "--help"], "hf-to-mcore"),  # forwarded to checkpoints_convert.cli
+    (["convert", "hf-to-mcore", "--help"], "--tp"),
+])
+def test_subcommand_help(capsys, argv, expected):
+    assert cli.main(argv) == 0
+    assert expected in capsys.readouterr().out
+
+
+def test_train_print_config_is_loadable_yaml(capsys, tmp_path):
+    overrides = ["parallel.tp=2", "model.arch.num_layers=4", "model.arch.axes_dims_rope=[8,8,16]"]
+    assert cli.main(["train", "--recipe", "qwen_image_tiny", "--print-config", *overrides]) == 0
+    path = tmp_path / "printed.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert load_config(None, str(path), []) == load_config("qwen_image_tiny", None, overrides)
+
+
+def test_train_without_print_config_says_not_built(capsys):
+    assert cli.main(["train", "--recipe", "qwen_image_tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "RL training loop is not built yet" in err and "FlowGRPO" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_not_built_commands_exit_2(capsys, command):
+    assert cli.main([command]) == 2
+    assert capsys.readouterr().err == f"megatron-omni {command}: error: not built yet; nothing was run\n"
+
+
+def test_bad_override_clean_message(capsys):
+    assert cli.main(["train", "--recipe", "qwen_image_tiny", "parallel.tp=two"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("megatron-omni train: error: parallel.tp: expected int, got 'two' "
+                            "(in override 'parallel.tp=two')\n")
+    assert captured.out == ""
+
+
+def test_train_needs_recipe_or_config(capsys):
+    assert cli.main(["train", "parallel.tp=2"]) == 2
+    assert "give --recipe NAME and/or --config FILE.yaml" in capsys.readouterr().err
+
+
+def test_unknown_recipe_is_a_usage_error(capsys):
+    assert cli.main(["train", "--recipe", "nope"]) == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_forwarded_module_missing_is_a_clean_error(capsys, monkeypatch):
+    monkeypatch.setitem(cli.FORWARDED, "demo", "megatron_omni.no_such_module")
+    assert cli.main(["demo"]) == 1
+    assert "megatron-omni demo: error: cannot import megatron_omni.no_such_module" in capsys.readouterr().err
