@@ -6,13 +6,13 @@ the output path is left as it was.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
 
 from checkpoints_convert.hf_folder import ConversionError, HFFolder, atomic_output_dir, write_hf_folder
-from checkpoints_convert.mapping import Rule, to_hf, to_mcore
+from checkpoints_convert.mapping import Rule, to_hf, to_mcore, tp_shard
 from checkpoints_convert.mcore_checkpoint import load_global_tensors, read_meta, save_global_tensors
 from checkpoints_convert.qwen_image import qwen_image_rules
 from model_specs.qwen_image.config import DIFFUSERS_CLASS, QwenImageConfig
@@ -57,6 +57,13 @@ def _check_hf_tensors(folder: HFFolder, rules: list[Rule], arch: QwenImageConfig
         if folder.shape(name) != expected[name]:
             raise ConversionError(f"tensor {name!r} in {folder.path} has shape {folder.shape(name)}; "
                                   f"expected {expected[name]} for the config.json given")
+
+
+def mcore_state_from_hf(arch: QwenImageConfig, hf_get: Callable[[str], torch.Tensor], tp_rank: int = 0,
+                        tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """The state dict of one TP rank's ``QwenImageModel`` from HF tensors (``hf_get(name)``)."""
+    return {r.mcore: tp_shard(to_mcore(r, hf_get, arch.num_attention_heads), r.tp_dim, tp_rank, tp_size)
+            for r in qwen_image_rules(arch)}
 
 
 def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1, pp: int = 1,

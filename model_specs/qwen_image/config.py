@@ -104,6 +104,10 @@ class QwenImageConfig:
             ffn_hidden_size=self.ffn_hidden_size,
             tensor_model_parallel_size=tp,
             add_bias_linear=True,
+            # QK-norm weights are shared by all heads but each TP rank sees only its heads: with this
+            # flag megatron's finalize_model_grads sums the grads of params named "*q_layernorm*" /
+            # "*k_layernorm*" over the TP group (our module names follow that convention).
+            qk_layernorm=True,
             activation_func=partial(torch.nn.functional.gelu, approximate="tanh"),
             gated_linear_unit=False,
             bias_activation_fusion=False,  # True routes through torch.compile (slow first step on CPU)

@@ -38,26 +38,26 @@ class JointAttention(MegatronModule):
                                        **_linear_kwargs(config, tp_group, "qkv", column=True))
         self.linear_added_qkv = build_module(submodules.linear_added_qkv, hidden, 3 * hidden,
                                              **_linear_kwargs(config, tp_group, "qkv", column=True))
-        self.q_norm = build_module(submodules.q_norm, self.head_dim)
-        self.k_norm = build_module(submodules.k_norm, self.head_dim)
-        self.added_q_norm = build_module(submodules.added_q_norm, self.head_dim)
-        self.added_k_norm = build_module(submodules.added_k_norm, self.head_dim)
+        self.q_layernorm = build_module(submodules.q_layernorm, self.head_dim)
+        self.k_layernorm = build_module(submodules.k_layernorm, self.head_dim)
+        self.added_q_layernorm = build_module(submodules.added_q_layernorm, self.head_dim)
+        self.added_k_layernorm = build_module(submodules.added_k_layernorm, self.head_dim)
         self.core_attention = build_module(submodules.core_attention)
         self.linear_proj = build_module(submodules.linear_proj, hidden, hidden,
                                         **_linear_kwargs(config, tp_group, "proj", column=False))
         self.linear_added_proj = build_module(submodules.linear_added_proj, hidden, hidden,
                                               **_linear_kwargs(config, tp_group, "proj", column=False))
 
-    def _qkv(self, linear, q_norm, k_norm, x_SBH, freqs):
+    def _qkv(self, linear, q_layernorm, k_layernorm, x_SBH, freqs):
         qkv_SBN3D, _ = linear(x_SBH)
         s, b = x_SBH.shape[:2]
         # fused rows are interleaved per head: [q_h, k_h, v_h] for each local head h
         q, k, v = qkv_SBN3D.view(s, b, self.local_heads, 3 * self.head_dim).split(self.head_dim, dim=-1)
-        return apply_rope(q_norm(q), freqs), apply_rope(k_norm(k), freqs), v
+        return apply_rope(q_layernorm(q), freqs), apply_rope(k_layernorm(k), freqs), v
 
     def forward(self, img_SBH, txt_SBH, cond: QwenImageConditioning):
-        qi, ki, vi = self._qkv(self.linear_qkv, self.q_norm, self.k_norm, img_SBH, cond.img_freqs)
-        qt, kt, vt = self._qkv(self.linear_added_qkv, self.added_q_norm, self.added_k_norm, txt_SBH,
+        qi, ki, vi = self._qkv(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH, cond.img_freqs)
+        qt, kt, vt = self._qkv(self.linear_added_qkv, self.added_q_layernorm, self.added_k_layernorm, txt_SBH,
                                cond.txt_freqs)
         out_SBND = self.core_attention(torch.cat([qt, qi]), torch.cat([kt, ki]), torch.cat([vt, vi]),
                                        cond.attn_mask_B11S)

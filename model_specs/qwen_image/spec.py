@@ -27,10 +27,10 @@ class JointAttentionSubmodules:
 
     linear_qkv: ModuleSpec | type  # to_q, to_k, to_v fused, per-head interleaved
     linear_added_qkv: ModuleSpec | type  # add_q_proj, add_k_proj, add_v_proj fused
-    q_norm: ModuleSpec | type
-    k_norm: ModuleSpec | type
-    added_q_norm: ModuleSpec | type
-    added_k_norm: ModuleSpec | type
+    q_layernorm: ModuleSpec | type
+    k_layernorm: ModuleSpec | type
+    added_q_layernorm: ModuleSpec | type
+    added_k_layernorm: ModuleSpec | type
     core_attention: ModuleSpec | type
     linear_proj: ModuleSpec | type  # to_out.0
     linear_added_proj: ModuleSpec | type  # to_add_out
@@ -62,7 +62,7 @@ def qwen_image_block_spec(backend: str = "auto") -> ModuleSpec:
         module=JointAttention,
         submodules=JointAttentionSubmodules(
             linear_qkv=linears.column, linear_added_qkv=linears.column,
-            q_norm=head_norm, k_norm=head_norm, added_q_norm=head_norm, added_k_norm=head_norm,
+            q_layernorm=head_norm, k_layernorm=head_norm, added_q_layernorm=head_norm, added_k_layernorm=head_norm,
             core_attention=JointSDPACoreAttention,
             linear_proj=linears.row, linear_added_proj=linears.row,
         ),
