@@ -71,18 +71,26 @@ def load_global_tensors(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: loaded[k] for k in request}
 
 
+def _weights_only(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's sharded state dict without ``_extra_state`` entries: those carry layer state that is
+    not a weight (Transformer Engine's FP8 scaling history; None for local layers), which a converted
+    checkpoint does not have and a weight checkpoint need not keep."""
+    return {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+
+
 def save_model(model: torch.nn.Module, out_dir: str | os.PathLike, meta: dict[str, Any]) -> None:
-    """Save a (possibly TP-sharded) MegatronModule collectively from all its ranks."""
-    sharded = model.sharded_state_dict()
+    """Save a (possibly TP-sharded) MegatronModule's weights collectively from all its ranks."""
+    sharded = _weights_only(model)
     sharded[META_KEY] = meta
     apply_cpu_compat()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(sharded, str(out_dir))
 
 
 def load_model(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
     """Load into a MegatronModule at its own TP layout, reading only this rank's slices."""
     apply_cpu_compat()
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
+    state = dist_checkpointing.load(_weights_only(model), str(ckpt_dir))
     state.pop(META_KEY, None)
     model.load_state_dict(state, strict=False)
     missing = {k for k in model.state_dict() if not k.endswith("_extra_state")} - set(state)

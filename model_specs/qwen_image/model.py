@@ -14,6 +14,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from model_specs.common.containers import MegatronModuleList
 from model_specs.qwen_image.conditioning import (
     TIME_PROJ_DIM, QwenImageConditioning, joint_attention_mask, rope_freqs, timestep_sinusoid,
 )
@@ -48,10 +49,10 @@ class QwenImageModel(MegatronModule):
         self.txt_norm = torch.nn.RMSNorm(arch.joint_attention_dim, eps=NORM_EPS, dtype=config.params_dtype)
         self.txt_in = _replicated_linear(config, arch.joint_attention_dim, hidden)
         self.img_in = _replicated_linear(config, arch.in_channels, hidden)
-        self.blocks = torch.nn.ModuleList(
+        self.blocks = MegatronModuleList(config, (
             build_module(block_spec, config=config, layer_number=i + 1, tp_group=tp_group)
             for i in range(arch.num_layers)
-        )
+        ))
         # norm_out (AdaLayerNormContinuous): LayerNorm without affine, modulated by Linear(H, 2H) -> (scale, shift)
         self.norm_out_linear = _replicated_linear(config, hidden, 2 * hidden)
         self.norm_out = torch.nn.LayerNorm(hidden, eps=NORM_EPS, elementwise_affine=False)
