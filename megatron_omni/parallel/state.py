@@ -112,6 +112,14 @@ def _bind_device(spec: DeviceSpec, local_rank: int) -> None:
         apply_cpu_compat()
 
 
+def _init_default_group(backend: str, rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
+    global _CREATED_DEFAULT_GROUP
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    _CREATED_DEFAULT_GROUP = True
+
+
 def init_parallel(
     tp: int = 1,
     cp: int = 1,
@@ -128,32 +136,23 @@ def init_parallel(
     ``model_parallel_cuda_manual_seed`` (the TP-rank-specific stream used inside
     ``get_cuda_rng_tracker().fork()``).  ``timeout_s`` bounds every collective.
     """
-    global _CREATED_DEFAULT_GROUP
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     spec = select_device(device)
     if dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+        rank, world_size, init_method = dist.get_rank(), dist.get_world_size(), None
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        init_method = None
     else:
         rank, world_size, local_rank, init_method = _launch_env()
     _check_sizes(world_size, tp, cp, pp, vpp)
+
+    # Imported only now: megatron-core takes seconds to import, the checks above do not need it.
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron model parallel is already initialised; call destroy_parallel() first")
-
     _bind_device(spec, local_rank)
     if init_method is not None:
-        dist.init_process_group(
-            spec.backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        _CREATED_DEFAULT_GROUP = True
+        _init_default_group(spec.backend, rank, world_size, init_method, timeout_s)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -163,13 +162,20 @@ def init_parallel(
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    return _describe(spec, local_rank, tp, cp, pp, vpp)
+
+
+def _describe(spec: DeviceSpec, local_rank: int, tp: int, cp: int, pp: int, vpp: Optional[int]) -> ParallelState:
+    """Snapshot megatron's freshly built groups into a ParallelState."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    world_size = dist.get_world_size()
     return ParallelState(
         device=spec,
         torch_device=spec.torch_device(local_rank),
         world_size=world_size,
-        rank=rank,
+        rank=dist.get_rank(),
         local_rank=local_rank,
         tp=tp,
         cp=cp,
@@ -188,12 +194,20 @@ def init_parallel(
     )
 
 
-def destroy_parallel() -> None:
-    """Tear down megatron's groups, and the default process group if ``init_parallel`` created it."""
+def destroy_parallel(keep_default_group: bool = False) -> None:
+    """Tear down megatron's groups, and the default process group if ``init_parallel`` created it.
+
+    ``keep_default_group=True`` keeps torch.distributed up so that the next ``init_parallel`` can lay
+    out a different (tp, cp, pp) on the same ranks, e.g. to test several layouts in one launch.
+    Re-creating the default group instead is unsafe on a fixed MASTER_PORT: a rank may still reach the
+    old rendezvous store and read stale addresses.
+    """
     global _CREATED_DEFAULT_GROUP
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    if keep_default_group:
+        return
     if _CREATED_DEFAULT_GROUP and dist.is_initialized():
         dist.destroy_process_group()
     _CREATED_DEFAULT_GROUP = False

@@ -103,7 +103,7 @@ def _collect(procs: list, results: Any, fn_name: str, timeout_s: float) -> dict[
                 raise TimeoutError(
                     f"{fn_name} did not finish within timeout_s={timeout_s}: ranks {pending} still running "
                     f"(finished: {sorted(values)}); killed all ranks"
-                )
+                ) from None
             continue
         if not ok:
             _reraise(rank, world_size, *data)
