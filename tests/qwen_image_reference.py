@@ -11,8 +11,10 @@ from model_specs.qwen_image.spec import qwen_image_block_spec
 
 
 def diffusers_reference(arch: QwenImageConfig, seed: int = 0, dtype=torch.float32):
-    """diffusers QwenImageTransformer2DModel with every parameter random (norm weights too, so a
-    wrongly mapped norm weight cannot hide behind an all-ones init)."""
+    """diffusers QwenImageTransformer2DModel with every parameter random: norm weights too (so a wrongly
+    mapped norm weight cannot hide behind an all-ones init), biases non-zero, and matrices at std
+    1/sqrt(fan_in) so activations keep their scale through the blocks as in a trained model (a larger
+    std makes the network chaotic, and bf16 rounding then says nothing about the port)."""
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(seed)
@@ -21,8 +23,10 @@ def diffusers_reference(arch: QwenImageConfig, seed: int = 0, dtype=torch.float3
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
             else:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, 0.05)
     return model.to(dtype).eval()
 
 

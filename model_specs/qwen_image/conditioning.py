@@ -41,13 +41,13 @@ def timestep_sinusoid(sigma_B: torch.Tensor, dtype: torch.dtype = torch.float32,
                       scale: float = 1000.0) -> torch.Tensor:
     """[B] sigmas in [0, 1] -> [B, dim] float32 sinusoids, cos first (``flip_sin_to_cos=True``).
 
-    ``dtype`` is the model's parameter dtype: diffusers rounds the sigmas and the frequency table to
-    it before the float32 product, and a bf16 checkpoint was trained with that rounding, so we keep it.
+    ``dtype`` is the model's parameter dtype: diffusers rounds the sigmas to it (``timestep.to(
+    hidden_states.dtype)``) before the float32 product, and a bf16 checkpoint was trained with that
+    rounding, so we keep it.  The frequency table stays float32 (diffusers' ``Timesteps``).
     """
     half = dim // 2
     exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=sigma_B.device) / half
-    freqs = torch.exp(exponent).to(dtype)
-    args_BF = sigma_B.to(dtype)[:, None].float() * freqs[None, :] * scale
+    args_BF = sigma_B.to(dtype)[:, None].float() * torch.exp(exponent)[None, :] * scale
     return torch.cat([torch.cos(args_BF), torch.sin(args_BF)], dim=-1)
 
 
