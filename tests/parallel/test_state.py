@@ -112,3 +112,22 @@ def test_without_torchrun_env_each_process_is_its_own_world(per_rank):
         assert summary["default_group_destroyed"]
         assert summary["single"]["sizes"] == (1, 1, 1, 1, 1, None)
         assert summary["single"]["ranks"] == (0, 0, 0, 0, 0)
+
+
+def _nccl_summary(state):
+    total = torch.ones(1, device=state.torch_device) * (state.rank + 1)
+    dist.all_reduce(total, group=state.tp_group)
+    return {
+        "device": (state.device.type, state.device.backend, str(state.torch_device)),
+        "current_device": torch.cuda.current_device(),
+        "sum": total.item(),
+    }
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_bind_one_gpu_each():
+    world = min(torch.cuda.device_count(), 2)
+    results = run_distributed(_nccl_summary, world, backend="nccl", parallel={"tp": world}, timeout_s=120)
+    assert [r["device"] for r in results] == [("cuda", "nccl", f"cuda:{rank}") for rank in range(world)]
+    assert [r["current_device"] for r in results] == list(range(world))
+    assert all(r["sum"] == world * (world + 1) / 2 for r in results)
