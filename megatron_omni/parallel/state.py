@@ -12,13 +12,16 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_omni.parallel.cpu_compat import apply_cpu_compat
 from megatron_omni.parallel.device import DeviceSpec, select_device
+
+if TYPE_CHECKING:  # megatron-core is imported lazily: it takes seconds
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -51,15 +54,7 @@ class ParallelState:
     cp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
-    pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
-
-    @property
-    def is_first_pp_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_pp_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+    pg_collection: ProcessGroupCollection
 
 
 def free_port() -> int:
@@ -81,8 +76,7 @@ def _launch_env() -> tuple[int, int, int, str]:
             f"set all of {list(TORCHRUN_ENV)} or none"
         )
     env = os.environ
-    init_method = f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), init_method
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), "env://"
 
 
 def _check_sizes(world_size: int, tp: int, cp: int, pp: int, vpp: Optional[int]) -> None:

@@ -78,9 +78,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, parallel: Optio
 
 
 def _reraise(rank: int, world_size: int, blob: bytes, text: str) -> None:
-    exc = pickle.loads(blob)
-    exc.add_note(f"(raised on rank {rank} of {world_size})")
-    raise exc from RemoteTraceback(f"\n--- traceback of rank {rank} ---\n{text}")
+    raise pickle.loads(blob) from RemoteTraceback(f"\n--- traceback of rank {rank} of {world_size} ---\n{text}")
 
 
 def _collect(procs: list, results: Any, fn_name: str, timeout_s: float) -> dict[int, Any]:
