@@ -21,7 +21,7 @@ setup(
         "triton; platform_system == 'Linux'",  # imported by `import megatron.core` (undeclared upstream)
         "diffusers==0.42.1",
         "safetensors>=0.4",
-        "omegaconf>=2.4"  # Literal choice fields,
+        "omegaconf>=2.4",  # Literal choice fields,
         "tqdm",
         "rich",
     ],
