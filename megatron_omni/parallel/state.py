@@ -99,8 +99,9 @@ def _bind_device(spec: DeviceSpec, local_rank: int) -> None:
         torch.npu.set_device(local_rank)
     elif torch.cuda.is_available():
         raise ValueError(
-            "device 'cpu' was requested on a machine with CUDA: megatron-core 0.19.2 would still allocate "
-            "on torch.cuda.current_device(); hide the GPUs (CUDA_VISIBLE_DEVICES='') to run on the CPU"
+            "device 'cpu' was requested in a process that sees CUDA: megatron-core 0.19.2 would still "
+            "allocate on torch.cuda.current_device(). Use device='auto', or run on the CPU in a process "
+            "whose GPUs are hidden (CUDA_VISIBLE_DEVICES='', as run_distributed(backend='gloo') does)"
         )
     else:
         apply_cpu_compat()
