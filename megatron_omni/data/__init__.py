@@ -1,0 +1,1 @@
+"""Prompt datasets, text encoders and the small image data the demo trains on."""
