@@ -97,12 +97,92 @@ class LoggingConfig:
         _require_positive("logging", log_every=self.log_every)
 
 
+FLOW_GRPO_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                          "to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+
+
+@dataclass
+class DataConfig:
+    task: Literal["digits"] = "digits"  # prompts, text encoder and decoder of the run (see megatron_omni.data)
+    text_max_tokens: int = 16  # prompt tokens kept by the text encoder (padded, masked)
+
+    def validate(self) -> None:
+        _require_positive("data", text_max_tokens=self.text_max_tokens)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8  # groups per RL step
+    group_size: int = 8  # samples per prompt (the GRPO group)
+    num_steps: int = 10  # denoising steps of a rollout
+    shift: float = 1.0  # static timestep shift s: sigma <- s*sigma / (1 + (s - 1)*sigma)
+    sampler: Literal["sde", "cps", "dance"] = "sde"  # the trained (stochastic) steps' sampler
+    noise_level: float = 0.7  # a of ALGORITHMS.md (SDE), eta (Dance), a (CPS)
+    window_size: Optional[int] = None  # trained SDE steps per trajectory (MixGRPO window); None = all steps
+    window_range: Optional[tuple[int, int]] = None  # inclusive range of window starts; None = any that fits
+    guidance_scale: float = 1.0  # > 1: true CFG with the empty prompt
+    max_num_seqs: int = 64  # requests per engine forward
+
+    def validate(self) -> None:
+        _require_positive("rollout", prompts_per_step=self.prompts_per_step, group_size=self.group_size,
+                          num_steps=self.num_steps, max_num_seqs=self.max_num_seqs)
+        if self.window_size is not None and not 1 <= self.window_size <= self.num_steps:
+            raise ConfigError(f"rollout.window_size: {self.window_size} is outside 1..num_steps={self.num_steps}")
+        if not self.noise_level > 0:
+            raise ConfigError(f"rollout.noise_level: expected > 0 for trained steps, got {self.noise_level}")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["flow_grpo"] = "flow_grpo"
+    clip_range: float = 1e-4  # epsilon of the clipped ratio (1e-5 for large DiTs)
+    adv_std: Literal["global", "group", "none"] = "global"
+    adv_clip_max: float = 5.0
+    kl_beta: float = 0.0  # weight of the KL to the reference policy; 0 = no reference pass
+    kl_form: Literal["flow_grpo", "exact"] = "flow_grpo"
+    clip_grad: float = 1.0
+    logprob_check_samples: int = 8  # trajectories per step whose log-probs the trainer recomputes
+    logprob_warn_abs: float = 1e-2  # warn when mean |rollout - trainer log-prob| exceeds this
+
+    def validate(self) -> None:
+        if not 0 < self.clip_range < 1:
+            raise ConfigError(f"algorithm.clip_range: expected 0 < epsilon < 1, got {self.clip_range}")
+        if self.kl_beta < 0:
+            raise ConfigError(f"algorithm.kl_beta: expected >= 0, got {self.kl_beta}")
+
+
+@dataclass
+class RewardConfig:
+    name: str = "digit_classifier"  # a registered reward (megatron_omni.rewards.list_rewards())
+    judge: Optional[str] = "digit_judge"  # logged beside the reward, never trained on; None = no judge
+    workers: int = 2
+
+    def validate(self) -> None:
+        _require_positive("reward", workers=self.workers)
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 0  # 0 = full fine-tune; > 0 trains LoRA adapters only
+    alpha: float = 0.0  # 0 = same as rank (scale 1)
+    targets: list[str] = field(default_factory=lambda: list(FLOW_GRPO_LORA_TARGETS))  # diffusers module names
+
+    def validate(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"lora.rank: expected >= 0 (0 = full fine-tune), got {self.rank}")
+
+
 @dataclass
 class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first field (or combination of fields) that cannot work."""
@@ -110,6 +190,8 @@ class RunConfig:
         self.model.validate(self.parallel.tp)
         self.train.validate()
         self.logging.validate()
+        for section in (self.data, self.rollout, self.algorithm, self.reward, self.lora):
+            section.validate()
         self._validate_split()
 
     def _validate_split(self) -> None:
