@@ -90,10 +90,11 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int =
     return meta
 
 
-def _hf_tensors(rules: list[Rule], tensors: dict[str, torch.Tensor], heads: int,
-                progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    for rule in tqdm(rules, desc="mcore -> hf", unit="tensor", disable=not progress):
-        yield from to_hf(rule, tensors[rule.mcore], heads)
+def hf_state_from_mcore(arch: QwenImageConfig, mcore_get: Callable[[str], torch.Tensor],
+                        progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors, in table order, from global (unsharded) Megatron tensors (``mcore_get(name)``)."""
+    for rule in tqdm(qwen_image_rules(arch), desc="mcore -> hf", unit="tensor", disable=not progress):
+        yield from to_hf(rule, mcore_get(rule.mcore), arch.num_attention_heads)
 
 
 def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True,
@@ -111,7 +112,7 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, progre
     expected = expected_hf_shapes(arch)
     with atomic_output_dir(out_dir) as tmp:
         kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
-        pairs = _checked(_hf_tensors(rules, tensors, arch.num_attention_heads, progress), expected, mcore_dir)
+        pairs = _checked(hf_state_from_mcore(arch, tensors.__getitem__, progress), expected, mcore_dir)
         write_hf_folder(tmp, arch.to_diffusers(), pairs, **kwargs)
     return meta
 
