@@ -1,0 +1,412 @@
+"""Rollout engines: the ``RolloutEngine`` protocol and ``EmbeddedEngine`` (in-process, pure torch).
+
+Protocol in one line: ``generate(requests) -> trajectories``; ``load_weights((hf_name, tensor), ...)``
+as vLLM's loaders take them; ``sleep()`` / ``wake()`` around training phases.
+
+EmbeddedEngine batches compatible requests (same image grid, steps, shift, sampler, noise level,
+guidance, padded text length...) into one forward.  Batching never changes a sample's random
+numbers: each request owns a ``torch.Generator`` seeded with ``request.seed`` that draws, in this
+order, its SDE-window start (when drawn), its initial noise and the noise of its own trained steps.
+
+Shape legend: N steps; S_I image tokens; C packed latent channels; T text tokens (L after padding);
+E text-embedding width; B requests in a batch (2B rows in the forward with CFG).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol, Sequence
+
+import torch
+
+from checkpoints_convert.mapping import Rule, hf_shapes, to_mcore, tp_shard
+from checkpoints_convert.qwen_image import qwen_image_rules
+from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
+from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
+from model_specs.qwen_image.config import QwenImageConfig
+
+EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]  # prompts -> (emb [N,T,E], mask [N,T])
+
+
+@dataclass
+class Request:
+    """One sample to generate.  Give ``prompt`` (encoded by the engine's ``encode_prompts``, cached per
+    string) or ``prompt_emb`` [T, E] with an optional bool ``prompt_mask`` [T] (True = real token)."""
+
+    prompt: str = ""
+    prompt_id: str | int | None = None
+    prompt_emb: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    negative_prompt: str = ""  # the unconditional branch of CFG
+    negative_prompt_emb: torch.Tensor | None = None
+    negative_prompt_mask: torch.Tensor | None = None
+    seed: int = 0
+    img_fhw: tuple[int, int, int] = (1, 32, 32)  # packed token grid (frames, latent h / 2, latent w / 2)
+    num_steps: int = 10
+    shift: float = 1.0
+    sampler: str = "sde"  # one of samplers.KINDS
+    noise_level: float = 0.7
+    window_size: int | None = None  # None: every step is trained (no step for "ode")
+    window_range: tuple[int, int] | None = None  # inclusive start range; None: every start that fits
+    window_start: int | None = None  # given start (e.g. shared by a group); None: drawn from the seed
+    guidance_scale: float = 1.0  # > 1 enables true CFG with the negative prompt
+    cfg_rescale: str | None = "token"  # samplers.cfg_combine: diffusers' Qwen-Image per-token rescale
+    log_prob_form: str = "gaussian"  # "simple" (-mean (x' - μ)²) is offered for "cps"
+
+    @property
+    def cfg(self) -> bool:
+        return self.guidance_scale > 1
+
+
+@dataclass
+class Trajectory:
+    """What a rollout keeps for the trainer; tensors live on the model's device (sigmas on the CPU)."""
+
+    request: Request
+    latents: torch.Tensor  # [N + 1, S_I, C] float32, latents[0] the initial noise
+    sigmas: torch.Tensor  # [N + 1] float32, step i goes sigmas[i] -> sigmas[i + 1]
+    log_probs: torch.Tensor  # [N] float32, 0 where the step is not trained
+    trained: torch.Tensor  # [N] bool, True on SDE-window steps
+    window_start: int | None = None
+
+    @property
+    def final_sample(self) -> torch.Tensor:
+        return self.latents[-1]  # [S_I, C] at t = 0
+
+
+class RolloutEngine(Protocol):
+    def generate(self, requests: Sequence[Request]) -> list[Trajectory]: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 16  # requests per forward (CFG doubles the rows)
+    wait_ms: float = 5.0  # how long submit() lets a batch fill before running it
+    text_pad_multiple: int = 16  # text is padded to a multiple of this, per request, so batching is invariant
+
+
+@dataclass
+class _Prepared:
+    request: Request
+    key: tuple
+    txt_nLE: torch.Tensor  # [n, L, E]: n = 1 (cond) or 2 (cond, uncond) with CFG, right-padded with zeros
+    mask_nL: torch.Tensor | None  # [n, L] bool, True = real token; None when no token is padding
+    arrived: float = field(default_factory=time.monotonic)
+
+
+def check_request(req: Request, arch: QwenImageConfig) -> None:
+    """Raise ValueError naming the request field a rollout cannot work with."""
+    who = f"request {req.prompt_id!r}"
+    if req.sampler not in KINDS:
+        raise ValueError(f"{who}: sampler={req.sampler!r}; expected one of {KINDS}")
+    if len(req.img_fhw) != 3 or any(not isinstance(d, int) or d < 1 for d in req.img_fhw):
+        raise ValueError(f"{who}: img_fhw={req.img_fhw!r}; expected 3 positive integers")
+    sigmas(req.num_steps, req.shift)  # validates num_steps and shift
+    if req.sampler != "ode" and not req.noise_level > 0:
+        raise ValueError(f"{who}: noise_level={req.noise_level!r} with sampler {req.sampler!r}; expected > 0 "
+                         f"(use sampler='ode' for deterministic steps)")
+    if req.log_prob_form not in LOG_PROB_FORMS or (req.log_prob_form == "simple" and req.sampler != "cps"):
+        raise ValueError(f"{who}: log_prob_form={req.log_prob_form!r}; expected 'gaussian', or 'simple' with "
+                         f"sampler 'cps'")
+    if req.cfg_rescale not in CFG_RESCALES:
+        raise ValueError(f"{who}: cfg_rescale={req.cfg_rescale!r}; expected one of {CFG_RESCALES}")
+    _check_window(req, who)
+    for name in ("prompt_emb", "negative_prompt_emb"):
+        emb = getattr(req, name)
+        if emb is not None and (emb.dim() != 2 or emb.shape[1] != arch.joint_attention_dim):
+            raise ValueError(f"{who}: {name} has shape {tuple(emb.shape)}; expected [T, {arch.joint_attention_dim}]")
+
+
+def _check_window(req: Request, who: str) -> None:
+    n = req.num_steps
+    if req.window_size is None:
+        last_trained = n - 1  # every step is trained
+    else:
+        lo, hi = req.window_range if req.window_range is not None else (0, max(n - req.window_size, 0))
+        check_window(n, req.window_size, (lo, hi))
+        if req.window_start is not None:
+            sde_window(n, req.window_size, (lo, hi), start=req.window_start)  # validates the start
+            lo = hi = req.window_start
+        last_trained = hi + req.window_size - 1
+    if req.sampler == "cps" and req.log_prob_form == "gaussian" and last_trained >= n - 1:
+        raise ValueError(f"{who}: CPS's last step (t' = 0) has std 0, so its Gaussian log-prob is undefined; keep "
+                         f"the SDE window off the last step or use log_prob_form='simple'")
+
+
+class _WeightStager:
+    """Streams HF-named tensors into Megatron tensors through the mapping table, validating each one;
+    a fused QKV rule buffers its q / k / v (any order) only until its last part arrives."""
+
+    def __init__(self, rules: list[Rule], params: dict[str, torch.nn.Parameter], heads: int, tp_rank: int,
+                 tp_size: int):
+        self.by_hf = {h: r for r in rules for h in r.hf}
+        glob = {r.mcore: tuple(s * (tp_size if d == r.tp_dim else 1) for d, s in enumerate(params[r.mcore].shape))
+                for r in rules}
+        self.hf_shape = hf_shapes(rules, glob)
+        self.heads, self.tp_rank, self.tp_size = heads, tp_rank, tp_size
+        self.waiting: dict[str, dict[str, torch.Tensor]] = {}  # mcore name -> parts received so far
+        self.staged: dict[str, torch.Tensor] = {}
+        self.seen: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        rule = self.by_hf.get(name)
+        if rule is None:
+            raise ValueError(f"load_weights: tensor {name!r} is not a parameter of this QwenImageTransformer2DModel")
+        if name in self.seen:
+            raise ValueError(f"load_weights: tensor {name!r} was given twice")
+        if tuple(tensor.shape) != self.hf_shape[name] or not tensor.is_floating_point():
+            raise ValueError(f"load_weights: tensor {name!r} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; "
+                             f"expected shape {self.hf_shape[name]}, floating point")
+        self.seen.add(name)
+        parts = self.waiting.setdefault(rule.mcore, {})
+        parts[name] = tensor
+        if len(parts) == len(rule.hf):
+            full = to_mcore(rule, parts.__getitem__, self.heads)
+            self.staged[rule.mcore] = tp_shard(full, rule.tp_dim, self.tp_rank, self.tp_size)
+            del self.waiting[rule.mcore]
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        if self.waiting:
+            mcore, parts = next(iter(self.waiting.items()))
+            missing = [h for h in self.by_hf if self.by_hf[h].mcore == mcore and h not in parts]
+            raise ValueError(f"load_weights: {len(self.waiting)} fused tensor(s) incomplete, e.g. {mcore!r} still "
+                             f"waits for {missing}")
+        return self.staged
+
+
+class EmbeddedEngine:
+    """In-process rollout engine on a ``QwenImageModel`` (TP=1 by default; at TP > 1 every rank of the
+    group must call ``generate`` with the same requests).  The model runs in eval mode under
+    ``torch.no_grad``; sampler math is float32 whatever the model dtype."""
+
+    def __init__(self, model: torch.nn.Module, arch: QwenImageConfig, encode_prompts: EncodeFn | None = None,
+                 config: EngineConfig | None = None, tp_rank: int = 0, tp_size: int = 1):
+        self.config = config or EngineConfig()
+        if self.config.max_num_seqs < 1 or self.config.wait_ms < 0 or self.config.text_pad_multiple < 1:
+            raise ValueError(f"EngineConfig {self.config}: expected max_num_seqs >= 1, wait_ms >= 0, "
+                             f"text_pad_multiple >= 1")
+        if arch.out_features != arch.in_channels:
+            raise ValueError(f"the model predicts {arch.out_features} channels per token but takes "
+                             f"{arch.in_channels}; a velocity must have the latent's shape")
+        self.model, self.arch, self.encode_prompts = model.eval(), arch, encode_prompts
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        first = next(model.parameters())
+        self._device, self._dtype = first.device, first.dtype
+        self._prompt_cache: dict[str, torch.Tensor] = {}  # prompt -> its real tokens [T, E]
+        self._run_lock = threading.Lock()  # one batch (or weight load) at a time
+        self._cv = threading.Condition()  # guards the submit() queue below
+        self._pending: list[tuple[_Prepared, Future]] = []
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self._asleep = False
+
+    # ---- requests -> batches ------------------------------------------------------------------
+    def generate(self, requests: Sequence[Request]) -> list[Trajectory]:
+        """Trajectories in request order; compatible requests share forwards, up to max_num_seqs each."""
+        prepared = self._prepare(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(prepared):
+            groups.setdefault(p.key, []).append(i)
+        out: list[Trajectory | None] = [None] * len(prepared)
+        step = self.config.max_num_seqs
+        for idx in groups.values():
+            for c in range(0, len(idx), step):
+                chunk = idx[c:c + step]
+                for i, traj in zip(chunk, self._run([prepared[i] for i in chunk])):
+                    out[i] = traj
+        return out
+
+    def submit(self, request: Request) -> Future:
+        """Queue one request; a worker thread runs it once max_num_seqs compatible requests wait or
+        ``wait_ms`` has passed since it arrived.  The future gives its Trajectory."""
+        (prepared,) = self._prepare([request])
+        future: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("submit() on a closed EmbeddedEngine")
+            self._pending.append((prepared, future))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="rollout-engine", daemon=True)
+                self._worker.start()
+            self._cv.notify()
+        return future
+
+    def close(self) -> None:
+        """Run what is queued, then stop the submit() worker."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._worker is not None:
+            self._worker.join()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                batch = self._next_batch_locked()
+            if batch is None:
+                return
+            try:
+                for (_, future), traj in zip(batch, self._run([p for p, _ in batch])):
+                    future.set_result(traj)
+            except Exception as e:  # the callers see it through their futures
+                for _, future in batch:
+                    future.set_exception(e)
+
+    def _next_batch_locked(self) -> list[tuple[_Prepared, Future]] | None:
+        while not self._pending:
+            if self._closed:
+                return None
+            self._cv.wait()
+        head = self._pending[0][0]
+        deadline = head.arrived + self.config.wait_ms / 1e3
+        while True:
+            same = [e for e in self._pending if e[0].key == head.key][:self.config.max_num_seqs]
+            left = deadline - time.monotonic()
+            if len(same) == self.config.max_num_seqs or left <= 0 or self._closed:
+                break
+            self._cv.wait(left)
+        taken = {id(e) for e in same}
+        self._pending = [e for e in self._pending if id(e) not in taken]
+        return same
+
+    # ---- text ------------------------------------------------------------------------------------
+    def _prepare(self, requests: Sequence[Request]) -> list[_Prepared]:
+        for r in requests:
+            check_request(r, self.arch)
+        needed = [r.prompt for r in requests if r.prompt_emb is None]
+        needed += [r.negative_prompt for r in requests if r.cfg and r.negative_prompt_emb is None]
+        self._encode_missing(list(dict.fromkeys(t for t in needed if t not in self._prompt_cache)))
+        return [self._prepared(r) for r in requests]
+
+    def _encode_missing(self, texts: list[str]) -> None:
+        if not texts:
+            return
+        if self.encode_prompts is None:
+            raise ValueError(f"prompt {texts[0]!r} has no embeddings and the engine has no encode_prompts")
+        emb_NTE, mask_NT = self.encode_prompts(texts)
+        e = self.arch.joint_attention_dim
+        if emb_NTE.dim() != 3 or emb_NTE.shape[0] != len(texts) or emb_NTE.shape[2] != e \
+                or tuple(mask_NT.shape) != tuple(emb_NTE.shape[:2]):
+            raise ValueError(f"encode_prompts gave emb {tuple(emb_NTE.shape)}, mask {tuple(mask_NT.shape)} for "
+                             f"{len(texts)} prompts; expected [{len(texts)}, T, {e}] and [{len(texts)}, T]")
+        for text, emb_TE, mask_T in zip(texts, emb_NTE, mask_NT):
+            self._prompt_cache[text] = _real_tokens(emb_TE, mask_T, text)
+
+    def _prepared(self, r: Request) -> _Prepared:
+        parts = [_real_tokens(r.prompt_emb, r.prompt_mask, r.prompt) if r.prompt_emb is not None
+                 else self._prompt_cache[r.prompt]]
+        if r.cfg:
+            parts.append(_real_tokens(r.negative_prompt_emb, r.negative_prompt_mask, r.negative_prompt)
+                         if r.negative_prompt_emb is not None else self._prompt_cache[r.negative_prompt])
+        m = self.config.text_pad_multiple
+        length = -(-max(p.shape[0] for p in parts) // m) * m
+        txt = torch.stack([torch.cat([p, p.new_zeros(length - p.shape[0], p.shape[1])]) for p in parts])
+        mask = torch.stack([torch.arange(length) < p.shape[0] for p in parts])
+        padded = not bool(mask.all())
+        cfg = (r.guidance_scale, r.cfg_rescale) if r.cfg else None
+        key = (tuple(r.img_fhw), r.num_steps, float(r.shift), r.sampler, float(r.noise_level), cfg,
+               r.log_prob_form, length, padded)
+        return _Prepared(r, key, txt.to(self._device), mask.to(self._device) if padded else None)
+
+    # ---- one batch -------------------------------------------------------------------------------
+    def _run(self, items: list[_Prepared]) -> list[Trajectory]:
+        r0 = items[0].request
+        with self._run_lock, torch.no_grad():
+            if self._asleep:
+                raise RuntimeError("the engine is asleep (weights offloaded); call wake() before generating")
+            sigmas_N1 = sigmas(r0.num_steps, r0.shift)
+            gens = [torch.Generator().manual_seed(p.request.seed) for p in items]
+            windows = [_trained_steps(p.request, g) for p, g in zip(items, gens)]
+            shape_X = (r0.img_fhw[0] * r0.img_fhw[1] * r0.img_fhw[2], self.arch.in_channels)
+            x_BX = torch.stack([torch.randn(shape_X, generator=g) for g in gens]).to(self._device)
+            trained_BN = torch.stack([mask for mask, _ in windows])
+            sig_dev = sigmas_N1.to(self._device)
+            lat, lp = rollout(self._velocity_fn(items, sig_dev), x_BX, sig_dev, r0.sampler, r0.noise_level,
+                              trained_BN, lambda i, on_B: per_request_noise(gens, shape_X, on_B, self._device),
+                              r0.log_prob_form)
+        return [Trajectory(p.request, lat[b], sigmas_N1, lp[b], trained_BN[b], windows[b][1])
+                for b, p in enumerate(items)]
+
+    def _velocity_fn(self, items: list[_Prepared], sigmas_N1: torch.Tensor) -> Callable:
+        """v(x_BX, i) at t = sigmas[i]: one forward over the batch (cond rows, then uncond rows with CFG)."""
+        r0 = items[0].request
+        n = 2 if r0.cfg else 1
+        txt = torch.cat([torch.stack([p.txt_nLE[j] for p in items]) for j in range(n)])
+        txt = txt.to(self._device, self._dtype)
+        mask = None
+        if items[0].mask_nL is not None:  # part of the batch key: all padded or none
+            mask = torch.cat([torch.stack([p.mask_nL[j] for p in items]) for j in range(n)]).to(self._device)
+
+        def velocity(x_BX: torch.Tensor, i: int) -> torch.Tensor:
+            x_in = torch.cat([x_BX] * n)
+            out = self.model(x_in.to(self._dtype), txt, sigmas_N1[i].expand(x_in.shape[0]), r0.img_fhw, mask)
+            if not r0.cfg:
+                return out.float()
+            v_cond, v_uncond = out.chunk(2)
+            return cfg_combine(v_cond, v_uncond, r0.guidance_scale, r0.cfg_rescale)
+
+        return velocity
+
+    # ---- weights and memory ------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Receive (HF name, tensor) pairs as vLLM's loaders do, in any order (q / k / v of a fused QKV
+        too), through the mapping table.  Every tensor is validated before any is copied: an unknown
+        name, a duplicate, a wrong shape or an incomplete QKV raises ValueError naming the tensor and
+        leaves the weights untouched.  A subset of the model may be sent.  Returns the Megatron names set."""
+        params = dict(self.model.named_parameters())
+        stager = _WeightStager(qwen_image_rules(self.arch), params, self.arch.num_attention_heads,
+                               self.tp_rank, self.tp_size)
+        for name, tensor in weights:
+            stager.add(name, tensor)
+        staged = stager.finish()
+        with self._run_lock, torch.no_grad():
+            for name, tensor in staged.items():
+                params[name].copy_(tensor)
+        return set(staged)
+
+    def sleep(self) -> None:
+        """Offload the weights to host memory and free the accelerator's cached memory (for the trainer's
+        phase).  On CPU there is nothing to free: a no-op, and generate() keeps working."""
+        with self._run_lock:
+            if self._device.type == "cpu" or self._asleep:
+                return
+            self.model.to("cpu")
+            getattr(torch, self._device.type).empty_cache()
+            self._asleep = True
+
+    def wake(self) -> None:
+        """Bring the weights back to the device after sleep(); a no-op on CPU or when awake."""
+        with self._run_lock:
+            if self._asleep:
+                self.model.to(self._device)
+                self._asleep = False
+
+
+def _real_tokens(emb_TE: torch.Tensor, mask_T: torch.Tensor | None, prompt: str) -> torch.Tensor:
+    """The real (unpadded) tokens of one prompt, [T_real, E], like diffusers' Qwen-Image pipeline keeps them."""
+    if mask_T is not None:
+        if tuple(mask_T.shape) != tuple(emb_TE.shape[:1]):
+            raise ValueError(f"prompt {prompt!r}: mask has shape {tuple(mask_T.shape)}; expected [{emb_TE.shape[0]}]")
+        emb_TE = emb_TE[mask_T.to(torch.bool)]
+    if emb_TE.shape[0] == 0:
+        raise ValueError(f"prompt {prompt!r} has no real token (its mask is all False)")
+    return emb_TE.detach().clone()
+
+
+def _trained_steps(req: Request, generator: torch.Generator) -> tuple[torch.Tensor, int | None]:
+    """[N] bool mask of trained (SDE) steps and the window start; draws the start from the request's
+    generator when the window has no given start."""
+    n = req.num_steps
+    if req.sampler == "ode":
+        return torch.zeros(n, dtype=torch.bool), None
+    if req.window_size is None:
+        return torch.ones(n, dtype=torch.bool), None
+    return sde_window(n, req.window_size, req.window_range, generator, req.window_start)
