@@ -8,6 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
 STAMP  := $(VENV)/.megatron-omni-installed
+APT    := DEBIAN_FRONTEND=noninteractive apt-get install -y -q
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
@@ -23,6 +24,10 @@ $(STAMP): setup.py Makefile
 	$(PIP) install numpy "packaging>=24.2" psutil triton
 	# megatron-core 0.19.2 declares Python>=3.12 but its megatron/core runs on 3.11: install it by hand.
 	$(PIP) install --no-deps --ignore-requires-python megatron-core==0.19.2
+	# The OCR reward reads with Debian's tesseract (engine + English model); apt-get it when missing and root.
+	@command -v tesseract >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  { $(APT) tesseract-ocr || { apt-get update -q && $(APT) tesseract-ocr; }; } || \
+	  echo "NOTE: tesseract-ocr is missing (the OCR reward needs it; its tests skip): sudo apt-get install tesseract-ocr"; }
 	$(PIP) install -e ".[dev]"
 	@touch $@
 

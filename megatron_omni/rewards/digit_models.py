@@ -117,7 +117,7 @@ def _atomic_write(path: Path, write) -> None:
 
 @dataclass
 class TrainedDigitModel:
-    """A classifier with what it was measured at: accuracy on the held-out test split (444 images)."""
+    """A classifier with what it was measured at: accuracy on the held-out test split (450 images)."""
     model: Any
     test_accuracy: float
     train_seconds: float  # 0.0 when loaded from the cache
