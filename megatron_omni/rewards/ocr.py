@@ -53,7 +53,9 @@ def ocr_score(ocr_text: str, target: str) -> float:
 
 def find_tessdata(lang: str = "eng") -> str:
     """The tessdata folder holding ``<lang>.traineddata``: $TESSDATA_PREFIX, else the usual system paths."""
-    candidates = [os.environ["TESSDATA_PREFIX"]] if os.environ.get("TESSDATA_PREFIX") else []
+    prefix = os.environ.get("TESSDATA_PREFIX")
+    # tesseract >= 4 reads TESSDATA_PREFIX as the tessdata folder itself, 3.x as the folder above it
+    candidates = [prefix, os.path.join(prefix, "tessdata")] if prefix else []
     for pattern in _TESSDATA_GLOBS:
         candidates += sorted(glob.glob(pattern), reverse=True)  # newest tesseract major version first
     for folder in candidates:

@@ -82,7 +82,7 @@ def check_rewards(name: str, values: Any, prompts: Sequence[str], offset: int = 
     so the error names the sample as the caller numbered it.
     """
     if hasattr(values, "detach"):  # a torch tensor, possibly on an accelerator or requiring grad
-        values = values.detach().float().cpu().numpy()
+        values = values.detach().double().cpu().numpy()
     try:
         scores = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError) as err:
