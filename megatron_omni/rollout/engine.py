@@ -151,7 +151,7 @@ class _WeightStager:
         glob = {r.mcore: tuple(s * (tp_size if d == r.tp_dim else 1) for d, s in enumerate(params[r.mcore].shape))
                 for r in rules}
         self.hf_shape = hf_shapes(rules, glob)
-        self.heads, self.tp_rank, self.tp_size = heads, tp_rank, tp_size
+        self.params, self.heads, self.tp_rank, self.tp_size = params, heads, tp_rank, tp_size
         self.waiting: dict[str, dict[str, torch.Tensor]] = {}  # mcore name -> parts received so far
         self.staged: dict[str, torch.Tensor] = {}
         self.seen: set[str] = set()
@@ -166,8 +166,10 @@ class _WeightStager:
             raise ValueError(f"load_weights: tensor {name!r} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; "
                              f"expected shape {self.hf_shape[name]}, floating point")
         self.seen.add(name)
+        # a copy: senders reuse their bucket buffers once the pair is consumed, as vLLM's loaders allow
+        target = self.params[rule.mcore]
         parts = self.waiting.setdefault(rule.mcore, {})
-        parts[name] = tensor
+        parts[name] = tensor.detach().to(device=target.device, dtype=target.dtype, copy=True)
         if len(parts) == len(rule.hf):
             full = to_mcore(rule, parts.__getitem__, self.heads)
             self.staged[rule.mcore] = tp_shard(full, rule.tp_dim, self.tp_rank, self.tp_size)
@@ -360,7 +362,8 @@ class EmbeddedEngine:
         """Receive (HF name, tensor) pairs as vLLM's loaders do, in any order (q / k / v of a fused QKV
         too), through the mapping table.  Every tensor is validated before any is copied: an unknown
         name, a duplicate, a wrong shape or an incomplete QKV raises ValueError naming the tensor and
-        leaves the weights untouched.  A subset of the model may be sent.  Returns the Megatron names set."""
+        leaves the weights untouched.  A subset of the model may be sent.  Returns the Megatron names set.
+        Until the copy it holds one converted copy of what it received, on the model's device and dtype."""
         params = dict(self.model.named_parameters())
         stager = _WeightStager(qwen_image_rules(self.arch), params, self.arch.num_attention_heads,
                                self.tp_rank, self.tp_size)

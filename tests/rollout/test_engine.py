@@ -174,6 +174,23 @@ def test_load_weights_round_trip_matches_mcore_state_from_hf(fresh_engine, refer
     assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
 
 
+def test_load_weights_copies_what_it_receives(fresh_engine, reference):
+    """A sender may reuse one buffer for every tensor (as bucketed weight sync does) once a pair is consumed."""
+    hf = reference.state_dict()
+    buffer = torch.empty(max(t.numel() for t in hf.values()))
+
+    def through_one_buffer():
+        for name, t in hf.items():
+            view = buffer[:t.numel()].view(t.shape)
+            view.copy_(t)
+            yield name, view
+            buffer.fill_(float("nan"))
+
+    fresh_engine.load_weights(through_one_buffer())
+    params = dict(fresh_engine.model.named_parameters())
+    assert all(torch.equal(params[k], v) for k, v in mcore_state_from_hf(ARCH, hf.__getitem__).items())
+
+
 def test_bad_weights_leave_the_model_untouched(fresh_engine, reference):
     hf = reference.state_dict()
     before = _snapshot(fresh_engine)
