@@ -1,0 +1,147 @@
+"""Flow-GRPO as megatron-core's ``forward_step_func`` + ``loss_func`` (so the loss runs under TP / PP).
+
+    forward_step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=1e-5), reference=disable_adapters)
+    with cuda_factories_on_cpu():  # on a CPU-only machine
+        metrics = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                                              model=model, num_microbatches=len(micro_batches), ...)
+
+Each micro-batch is a ``FlowGRPOMicroBatch`` of B (sample, trained step) pairs.  ``forward_step`` runs the
+model (cond and, with a negative prompt, uncond in ONE batched forward) and, when the KL term is on, the
+reference policy under ``torch.no_grad``; ``loss_func`` (last pipeline stage) combines true CFG in float32
+with the uncond branch detached, forms the SDE mean μ_θ and log π_θ(x_t') with the rollout's own math
+(``megatron_omni.rollout.samplers``: the trainer scores a step exactly as it was sampled), and returns
+``(L, metrics)`` from ``flow_grpo.flow_grpo_loss``.
+
+Loss normalisation (megatron-core 0.19.2, ``schedules.forward_step_calc_loss``): for a 2-tuple
+``(loss, metrics)`` megatron does ``loss *= cp_size; loss /= num_microbatches`` IN PLACE on the returned
+tensor before ``backward`` (a 3-tuple ``(loss, num_tokens, metrics)`` is divided by ``num_tokens`` and by
+``num_microbatches`` instead, or left for ``finalize_model_grads`` to divide by the global token count when
+``calculate_per_token_loss``).  ``loss_func`` returns the mean over its micro-batch, so the accumulated
+gradient is the mean over micro-batches of the per-micro-batch means: the mean over all B·M pairs when
+micro-batches are equally sized (the trainer's layout).  The metrics dict is appended unscaled, one per
+micro-batch, to the list the schedule returns.  The CP factor assumes each CP rank's loss is a partial
+sum; our log-probs are means over a sample's whole latent, so under CP > 1 the log-prob must be reduced
+over the CP group first (not done here: CP = 1 on the local path).
+
+The model needs what megatron's schedules look up on it: ``config``, ``model_type`` and
+``set_input_tensor`` (directly, or on a ``.module`` it wraps).  Inline reference forwards (``reference``)
+are for PP = 1; under PP > 1 precompute the reference means in a forward-only pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, ContextManager, Iterator
+
+import torch
+
+from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig, flow_grpo_loss
+from megatron_omni.rollout.samplers import cfg_combine, gaussian_log_prob, sde_mean_std
+
+# reference(model) -> context manager yielding the module that computes the reference policy's velocity,
+# e.g. model_specs.common.lora.disable_adapters, or ``lambda m: contextlib.nullcontext(frozen_copy)``
+ReferenceFn = Callable[[torch.nn.Module], ContextManager[torch.nn.Module]]
+
+
+@dataclass
+class FlowGRPOMicroBatch:
+    """B (sample, trained step) pairs of one rollout batch.  Legend: I image tokens, C packed latent
+    channels, T text tokens, E text width, U negative-prompt tokens.
+
+    t is σ at the step and also the model's timestep input; t' < t is where the step lands.
+    """
+
+    x_t: torch.Tensor  # [B, I, C] image tokens at t (the model input)
+    txt: torch.Tensor  # [B, T, E] prompt embeddings
+    txt_mask: torch.Tensor | None  # [B, T] bool, True = real token; None = all real
+    img_fhw: tuple[int, int, int]  # token grid (frames, height, width)
+    x_next: torch.Tensor  # [B, I, C] the rollout's x_t'
+    t: torch.Tensor  # [B]
+    t_next: torch.Tensor  # [B]
+    old_log_prob: torch.Tensor  # [B] log π_old(x_t' | x_t) from the rollout (or the trainer's recomputation)
+    advantage: torch.Tensor  # [B]
+    noise_level: float | torch.Tensor  # a (scalar or [B])
+    sigma_1: float  # the schedule's sigmas[1]: replaces t in σ_t's 1 − t where t = 1
+    uncond_txt: torch.Tensor | None = None  # [B, U, E] negative-prompt embeddings: turns true CFG on
+    uncond_mask: torch.Tensor | None = None  # [B, U]
+    guidance_scale: float = 1.0  # true-CFG scale w
+    cfg_rescale: str | None = "token"  # Qwen-Image true CFG: rescale to ‖v_cond‖ per token (samplers.cfg_combine)
+
+    @property
+    def has_cfg(self) -> bool:
+        return self.uncond_txt is not None
+
+
+def _pad_text(txt_BTE: torch.Tensor, mask_BT: torch.Tensor | None, length: int):
+    """Zero-pad text to ``length`` tokens with a mask that excludes the padding."""
+    b, n = txt_BTE.shape[:2]
+    mask_BT = torch.ones(b, n, dtype=torch.bool, device=txt_BTE.device) if mask_BT is None else mask_BT
+    pad = length - n
+    return (torch.nn.functional.pad(txt_BTE, (0, 0, 0, pad)),
+            torch.nn.functional.pad(mask_BT, (0, pad), value=False))
+
+
+def model_inputs(mb: FlowGRPOMicroBatch) -> tuple:
+    """(img, txt, sigma, img_fhw, mask) for one forward; with CFG the uncond rows follow the cond rows
+    ([2B, ...]), text padded to the longer of the two (padding is masked out of attention)."""
+    if not mb.has_cfg:
+        return mb.x_t, mb.txt, mb.t, mb.img_fhw, mb.txt_mask
+    length = max(mb.txt.shape[1], mb.uncond_txt.shape[1])
+    txt_c, mask_c = _pad_text(mb.txt, mb.txt_mask, length)
+    txt_u, mask_u = _pad_text(mb.uncond_txt, mb.uncond_mask, length)
+    return (torch.cat([mb.x_t, mb.x_t]), torch.cat([txt_c, txt_u]), torch.cat([mb.t, mb.t]), mb.img_fhw,
+            torch.cat([mask_c, mask_u]))
+
+
+def guided_velocity(out_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> torch.Tensor:
+    """float32 velocity of the policy: the model output, or with CFG (rows [cond; uncond])
+    v = v_u + w·(v_c − v_u) with the uncond branch detached, rescaled as ``mb.cfg_rescale`` says."""
+    if not mb.has_cfg:
+        return out_BIC.float()
+    v_c, v_u = out_BIC.chunk(2, dim=0)
+    return cfg_combine(v_c, v_u.detach(), mb.guidance_scale, mb.cfg_rescale)
+
+
+def step_log_prob(v_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(μ [B, I, C], log π(x_t' | x_t) [B], step std σ_t·sqrt(−Δ) [B, 1, 1]) of the SDE step with ``v_BIC``."""
+    mean_BIC, std_B11 = sde_mean_std(mb.x_t, v_BIC, mb.t, mb.t_next, mb.noise_level, mb.sigma_1)
+    return mean_BIC, gaussian_log_prob(mb.x_next, mean_BIC, std_B11), std_B11
+
+
+def loss_func(mb: FlowGRPOMicroBatch, config: FlowGRPOLossConfig, ref_out: torch.Tensor | None,
+              output: torch.Tensor, non_loss_data: bool = False):
+    """megatron ``loss_func``: (L, metrics); with ``non_loss_data`` (forward-only log-prob recomputation)
+    a dict with the detached log π_θ [B] and μ_θ."""
+    mean_BIC, log_prob_B, std_B11 = step_log_prob(guided_velocity(output, mb), mb)
+    if non_loss_data:
+        return {"log_prob": log_prob_B.detach(), "mean": mean_BIC.detach()}
+    ref_mean_BIC = None
+    if ref_out is not None:
+        ref_mean_BIC, _ = sde_mean_std(mb.x_t, guided_velocity(ref_out, mb), mb.t, mb.t_next, mb.noise_level,
+                                       mb.sigma_1)
+    return flow_grpo_loss(log_prob_B, mb.old_log_prob, mb.advantage, config, mean_BX=mean_BIC,
+                          ref_mean_BX=ref_mean_BIC, std_B=std_B11, dt_B=mb.t_next - mb.t)
+
+
+def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | None = None):
+    """``forward_step_func(data_iterator, model)`` for megatron's ``forward_backward_func``; the iterator
+    yields ``FlowGRPOMicroBatch``es.  ``reference`` is required when ``config.kl_beta > 0``."""
+    if config.kl_beta > 0 and reference is None:
+        raise ValueError(f"kl_beta={config.kl_beta} needs a reference policy: pass reference= (e.g. "
+                         f"model_specs.common.lora.disable_adapters, or lambda m: contextlib.nullcontext(ref_model))")
+
+    def forward_step(data_iterator: Iterator[FlowGRPOMicroBatch], model: torch.nn.Module):
+        mb = next(data_iterator)
+        inputs = model_inputs(mb)
+        output = model(*inputs)
+        ref_out = None
+        if config.kl_beta > 0:
+            with torch.no_grad(), reference(model) as ref_model:
+                ref_out = ref_model(*inputs)
+        return output, partial(loss_func, mb, config, ref_out)
+
+    return forward_step
+
+
+__all__ = ["FlowGRPOMicroBatch", "ReferenceFn", "flow_grpo_forward_step", "guided_velocity", "loss_func",
+           "model_inputs", "step_log_prob"]

@@ -1,0 +1,147 @@
+"""The Flow-GRPO loss inside megatron-core's forward_backward_func (PP=1, several micro-batches, true CFG on
+one, KL to the LoRA-disabled reference) gives the gradients of plain autograd over the same micro-batches.
+
+The plain reference is written out independently, and runs CFG as two separate unpadded forwards where
+the step runs one padded, batched forward.  In float32 those two agree only to ~1e-5 in the gradients
+(CFG scale 4 amplifies the ~3e-7 rounding of a differently batched forward; float32 and float64 gradients
+differ by as much), so the CFG case runs the model in float64, where any real difference would show
+far above 1e-6.  Without CFG the float32 gradients agree exactly."""
+import math
+
+import pytest
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from checkpoints_convert.qwen_image import qwen_image_rules
+from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig
+from megatron_omni.algorithms.flow_grpo_step import (
+    FlowGRPOMicroBatch, flow_grpo_forward_step, guided_velocity, model_inputs, step_log_prob,
+)
+from megatron_omni.parallel import cuda_factories_on_cpu
+from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, disable_adapters
+from tests.qwen_image_reference import diffusers_reference, megatron_from_reference, rel_err, tiny_config
+
+FHW = (1, 4, 4)
+NOISE, SIGMA_1, CFG_SCALE = 0.7, 0.95, 4.0
+TOL = 1e-6
+
+
+def _micro_batches(model, arch, count=3, b=2, cfg_index=1, dtype=torch.float32):
+    """Random steps scored by the current policy; old log-probs offset so that ratios fall inside and
+    outside the clip range (1e-4) on both sides.  Micro-batch ``cfg_index`` carries a negative prompt."""
+    g = torch.Generator().manual_seed(11)
+    n_img = FHW[0] * FHW[1] * FHW[2]
+    mbs = []
+    for i in range(count):
+        t = torch.tensor([1.0, 0.55])[:b] if i == 0 else torch.rand(b, generator=g) * 0.6 + 0.3
+        mask = torch.ones(b, 6, dtype=torch.bool)
+        mask[1, 4:] = False
+        mb = FlowGRPOMicroBatch(
+            x_t=torch.randn(b, n_img, arch.in_channels, generator=g), txt=torch.randn(b, 6, arch.joint_attention_dim,
+                                                                                      generator=g),
+            txt_mask=mask, img_fhw=FHW, x_next=torch.zeros(b, n_img, arch.in_channels), t=t, t_next=t - 0.2,
+            old_log_prob=torch.zeros(b), advantage=torch.tensor([1.3, -0.6]), noise_level=NOISE, sigma_1=SIGMA_1)
+        if i == cfg_index:
+            mb.uncond_txt, mb.guidance_scale = torch.randn(b, 3, arch.joint_attention_dim, generator=g), CFG_SCALE
+        for name in ("x_t", "txt", "x_next", "uncond_txt"):
+            if getattr(mb, name) is not None:
+                setattr(mb, name, getattr(mb, name).to(dtype))
+        with torch.no_grad():
+            mean, _, std = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)
+            mb.x_next = (mean + std * torch.randn(mean.shape, generator=g)).to(dtype)
+            _, log_prob, _ = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)
+        mb.old_log_prob = log_prob + torch.tensor([3e-4, -2e-5]) * (1 - 2 * (i % 2))
+        mbs.append(mb)
+    return mbs
+
+
+def _plain_velocity(model, mb, cfg_on):
+    """Written out independently: cond and uncond as separate, unpadded forwards; the rescaled true CFG."""
+    v_c = model(mb.x_t, mb.txt, mb.t, FHW, mb.txt_mask).float()
+    if not cfg_on:
+        return v_c
+    with torch.no_grad():
+        v_u = model(mb.x_t, mb.uncond_txt, mb.t, FHW, None).float()
+    v = v_u + mb.guidance_scale * (v_c - v_u)
+    return v * (v_c.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
+
+
+def _plain_loss(model, mb, cfg: FlowGRPOLossConfig):
+    """ALGORITHMS.md's formulas, by hand, in float32 after the model (as the sampler math runs)."""
+    x, x_next = mb.x_t.float(), mb.x_next.float()
+    t, dt = mb.t.view(-1, 1, 1), (mb.t_next - mb.t).view(-1, 1, 1)
+    sigma = NOISE * torch.sqrt(t / (1 - torch.where(t == 1, torch.tensor(SIGMA_1), t)))
+
+    def mean_of(v):
+        return x * (1 + sigma ** 2 * dt / (2 * t)) + v * (1 + sigma ** 2 * (1 - t) / (2 * t)) * dt
+
+    mean = mean_of(_plain_velocity(model, mb, mb.uncond_txt is not None))
+    std = sigma * torch.sqrt(-dt)
+    log_prob = (-(x_next - mean) ** 2 / (2 * std ** 2) - torch.log(std) - 0.5 * math.log(2 * math.pi)).mean((1, 2))
+    ratio = torch.exp(log_prob - mb.old_log_prob)
+    a, eps = mb.advantage, cfg.clip_range
+    loss = torch.maximum(-a * ratio, -a * ratio.clamp(1 - eps, 1 + eps)).mean()
+    if cfg.kl_beta:
+        with torch.no_grad(), disable_adapters(model):
+            ref_mean = mean_of(_plain_velocity(model, mb, mb.uncond_txt is not None))
+        var = sigma.view(-1) ** 2 * (-dt.view(-1) if cfg.kl_form == "exact" else 1)
+        loss = loss + cfg.kl_beta * (((mean - ref_mean) ** 2).mean((1, 2)) / (2 * var)).mean()
+    return loss, ratio.detach()
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _compare(model, mbs, cfg, reference=None):
+    """(per-parameter grad rel err, megatron's per-micro-batch metrics, plain per-micro-batch losses, ratios)."""
+    model.zero_grad(set_to_none=True)
+    with cuda_factories_on_cpu():
+        metrics = get_forward_backward_func()(
+            forward_step_func=flow_grpo_forward_step(cfg, reference), data_iterator=iter(mbs), model=model,
+            num_microbatches=len(mbs), seq_length=1, micro_batch_size=mbs[0].t.numel(), forward_only=False)
+    megatron_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    losses, ratios = zip(*(_plain_loss(model, mb, cfg) for mb in mbs))
+    (sum(losses) / len(mbs)).backward()
+    plain = _grads(model)
+    return {n: rel_err(megatron_grads[n], plain[n]) for n in plain}, metrics, losses, torch.cat(ratios)
+
+
+@pytest.mark.parametrize("kl_form", ["flow_grpo", "exact"])
+def test_lora_with_cfg_and_kl_matches_plain_autograd(single_rank, kl_form):
+    arch = tiny_config()
+    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group, dtype=torch.float64)
+    apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    mbs = _micro_batches(model, arch, dtype=torch.float64)
+    cfg = FlowGRPOLossConfig(clip_range=1e-4, kl_beta=0.3, kl_form=kl_form)
+    errs, metrics, losses, ratios = _compare(model, mbs, cfg, reference=disable_adapters)
+    worst = max(errs, key=errs.get)
+    print(f"LoRA + CFG + KL: worst grad rel err {worst} {errs[worst]:.1e} over {len(errs)} adapter tensors")
+    assert errs[worst] <= TOL, worst
+    assert ((ratios > 1 + 1e-4).any() and (ratios < 1 - 1e-4).any()
+            and ((ratios - 1).abs() <= 1e-4).any())  # the clip is exercised both ways
+    assert len(metrics) == len(mbs)
+    for m, loss in zip(metrics, losses):  # metrics keep the unscaled per-micro-batch loss
+        assert m["loss"].item() == pytest.approx(loss.item(), rel=1e-5, abs=1e-9)
+        assert m["kl"].item() > 0
+
+
+def test_full_model_float32_matches_plain_autograd(single_rank):
+    arch = tiny_config()
+    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group)
+    mbs = _micro_batches(model, arch, count=2, cfg_index=None)
+    errs, metrics, _, _ = _compare(model, mbs, FlowGRPOLossConfig(clip_range=1e-4))
+    worst = max(errs, key=errs.get)
+    print(f"full model, float32: worst grad rel err {worst} {errs[worst]:.1e} over {len(errs)} tensors")
+    assert errs[worst] <= TOL, worst
+    assert metrics[0]["kl"].item() == 0.0
+
+
+def test_kl_needs_a_reference():
+    with pytest.raises(ValueError, match="kl_beta=0.1 needs a reference policy"):
+        flow_grpo_forward_step(FlowGRPOLossConfig(kl_beta=0.1))
