@@ -1,5 +1,6 @@
-"""LoRA on the Megatron Qwen-Image equals diffusers + peft LoRA (fused QKV included), at TP=1 and TP=2;
-merge, disable and freezing behave; errors name the bad value."""
+"""LoRA on the Megatron Qwen-Image (fused QKV included) equals a hand-built diffusers reference at TP=1 and
+TP=2 (W + (α/r)·B·A per diffusers linear; adapter gradients (α/r)·Bᵀ·∂L/∂W and (α/r)·∂L/∂W·Aᵀ), and
+diffusers + peft LoRA when peft is installed; merge, disable and freezing behave; errors name the bad value."""
 import pytest
 import torch
 
@@ -14,8 +15,6 @@ from tests.qwen_image_reference import (
     diffusers_reference, make_inputs, megatron_from_reference, reference_forward, rel_err, tiny_config,
 )
 
-peft = pytest.importorskip("peft")
-
 TOL = 1e-5
 RANK, ALPHA = 4, 8.0
 FHW = (1, 4, 6)
@@ -26,38 +25,64 @@ TARGET_SETS = {
 }
 
 
-def _models(arch, tp_group, targets):
-    """(our model with LoRA, diffusers reference with peft LoRA) holding the same weights and adapters;
-    peft's A and B are both random (init_lora_weights=False), so the adapters change the output."""
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
+def _random_adapters(arch, targets, seed=3):
+    """Non-zero peft-named adapters for every diffusers linear ``targets`` selects."""
+    shapes = {k: v.shape for k, v in diffusers_reference(arch).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for target in resolve_targets(qwen_image_rules(arch), targets):
+        for hf in target.hf:
+            n_out, n_in = shapes[f"{hf}.weight"]
+            out[f"{hf}.lora_A.weight"] = torch.randn(RANK, n_in, generator=g) * n_in ** -0.5
+            out[f"{hf}.lora_B.weight"] = torch.randn(n_out, RANK, generator=g) * 0.2
+    return out
 
+
+def _hf_modules(adapters):
+    return sorted({name.removesuffix(".lora_A.weight") for name in adapters if name.endswith(".lora_A.weight")})
+
+
+def _hand_reference(arch, adapters):
+    """diffusers reference whose every adapted linear holds W + (α/r)·B·A."""
     ref = diffusers_reference(arch)
-    model = megatron_from_reference(ref, arch, tp_group)
-    ref.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for m in _hf_modules(adapters):
+            ref.get_submodule(m).weight += ALPHA / RANK * adapters[f"{m}.lora_B.weight"] @ adapters[f"{m}.lora_A.weight"]
+    return ref
+
+
+def _hand_grads(ref, adapters):
+    """Adapter gradients from the merged weights' gradient G: ∂L/∂A = (α/r)·Bᵀ·G, ∂L/∂B = (α/r)·G·Aᵀ
+    (the last block's text stream feeds nothing: diffusers leaves those grads None)."""
+    out = {}
+    for m in _hf_modules(adapters):
+        w = ref.get_submodule(m).weight
+        grad = torch.zeros_like(w) if w.grad is None else w.grad
+        a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
+        out[f"{m}.lora_A.weight"] = ALPHA / RANK * b.T @ grad
+        out[f"{m}.lora_B.weight"] = ALPHA / RANK * grad @ a.T
+    return out
+
+
+def _lora_model(arch, tp_group, targets, adapters):
+    model = megatron_from_reference(diffusers_reference(arch), arch, tp_group)
     apply_lora(model, RANK, ALPHA, targets, qwen_image_rules(arch))
-    load_peft_state_dict(model, get_peft_model_state_dict(ref))
-    return model, ref
+    load_peft_state_dict(model, adapters)
+    return model
 
 
-def _peft_grads(ref):
-    """peft's adapter gradients under peft's export names (the last block's text stream feeds nothing:
-    peft leaves those grads None, ours are exact zeros)."""
-    return {n.replace(".default", ""): torch.zeros_like(p) if p.grad is None else p.grad
-            for n, p in ref.named_parameters() if "lora_" in n}
-
-
-def _forward_and_grads(model, ref, arch):
+def _forward_and_grads(model, ref, expected_grads_fn, arch):
+    """(output rel err, {peft name: adapter grad rel err}) for loss = <out, g>."""
     img, txt, sigma, mask = make_inputs(arch, 2, 7, FHW, [0, 3])
     g = torch.randn(2, 24, arch.out_features, generator=torch.Generator().manual_seed(5))
     ref.zero_grad()
-    (reference_forward(ref, img, txt, sigma, FHW, mask) * g).sum().backward()
+    expected = reference_forward(ref, img, txt, sigma, FHW, mask)
+    (expected * g).sum().backward()
     out = model(img, txt, sigma, FHW, mask)
     (out * g).sum().backward()
-    expected = reference_forward(ref, img, txt, sigma, FHW, mask).detach()
-    grads, expected_grads = peft_state_dict(model, grad=True), _peft_grads(ref)
+    grads, expected_grads = peft_state_dict(model, grad=True), expected_grads_fn(ref)
     assert sorted(grads) == sorted(expected_grads)
-    return rel_err(out, expected), {n: rel_err(grads[n], expected_grads[n]) for n in grads}
+    return rel_err(out, expected.detach()), {n: rel_err(grads[n], expected_grads[n]) for n in grads}
 
 
 def _merged_hf(model, arch, tp_group):
@@ -79,8 +104,9 @@ def _lora_cases(tp_group):
     arch = tiny_config()
     results = {}
     for name, targets in TARGET_SETS.items():
-        model, ref = _models(arch, tp_group, targets)
-        forward_err, grad_errs = _forward_and_grads(model, ref, arch)
+        adapters = _random_adapters(arch, targets)
+        model, ref = _lora_model(arch, tp_group, targets, adapters), _hand_reference(arch, adapters)
+        forward_err, grad_errs = _forward_and_grads(model, ref, lambda r: _hand_grads(r, adapters), arch)
         results[name] = {"forward": forward_err, "grads": grad_errs, "merged": _merged_hf(model, arch, tp_group),
                          "peft": peft_state_dict(model), "peft_grads": peft_state_dict(model, grad=True)}
     return results
@@ -90,7 +116,7 @@ def _tp2_worker(state):
     return _lora_cases(state.tp_group)
 
 
-def _check_against_peft(results, where):
+def _check_against_reference(results, where):
     for name, r in results.items():
         worst = max(r["grads"], key=r["grads"].get)
         print(f"{where} {name}: forward rel err {r['forward']:.1e}, worst adapter grad {worst} {r['grads'][worst]:.1e}")
@@ -98,17 +124,47 @@ def _check_against_peft(results, where):
         assert r["grads"][worst] <= TOL, (where, name, worst)
 
 
-def test_lora_tp1_and_tp2_equal_peft_and_each_other(single_rank):
+def test_lora_tp1_and_tp2_equal_the_hand_reference_and_each_other(single_rank):
     tp1 = _lora_cases(single_rank.tp_group)
-    _check_against_peft(tp1, "TP=1")
+    _check_against_reference(tp1, "TP=1")
     for rank, tp2 in enumerate(run_distributed(_tp2_worker, 2, parallel={"tp": 2})):
-        _check_against_peft(tp2, f"TP=2 rank {rank}")
+        _check_against_reference(tp2, f"TP=2 rank {rank}")
         for name in TARGET_SETS:
             for key in ("merged", "peft", "peft_grads"):
                 a, b = tp2[name][key], tp1[name][key]
                 assert sorted(a) == sorted(b)
                 errs = {n: rel_err(a[n], b[n]) for n in a}
                 assert max(errs.values()) <= TOL, (rank, name, key, max(errs, key=errs.get))
+
+
+def _peft_models(arch, tp_group, targets):
+    """(our model with LoRA, diffusers reference with peft LoRA) holding the same weights and adapters;
+    peft's A and B are both random (init_lora_weights=False), so the adapters change the output."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    ref = diffusers_reference(arch)
+    model = megatron_from_reference(ref, arch, tp_group)
+    ref.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, init_lora_weights=False))
+    apply_lora(model, RANK, ALPHA, targets, qwen_image_rules(arch))
+    load_peft_state_dict(model, get_peft_model_state_dict(ref))
+    return model, ref
+
+
+def _peft_grads(ref):
+    """peft's adapter gradients under peft's export names (None, for the unused last text stream, as 0)."""
+    return {n.replace(".default", ""): torch.zeros_like(p) if p.grad is None else p.grad
+            for n, p in ref.named_parameters() if "lora_" in n}
+
+
+def test_lora_equals_diffusers_with_peft(single_rank):
+    pytest.importorskip("peft")
+    arch = tiny_config()
+    results = {}
+    for name, targets in TARGET_SETS.items():
+        model, ref = _peft_models(arch, single_rank.tp_group, targets)
+        results[name] = dict(zip(("forward", "grads"), _forward_and_grads(model, ref, _peft_grads, arch)))
+    _check_against_reference(results, "TP=1 vs peft")
 
 
 def test_fused_qkv_targets_and_names(single_rank):
@@ -126,7 +182,7 @@ def test_fused_qkv_targets_and_names(single_rank):
 def test_freeze_disable_merge(single_rank):
     arch = tiny_config()
     img, txt, sigma, mask = make_inputs(arch, 2, 5, FHW, [0, 2])
-    model, _ = _models(arch, single_rank.tp_group, TARGET_SETS["all"])
+    model = _lora_model(arch, single_rank.tp_group, TARGET_SETS["all"], _random_adapters(arch, TARGET_SETS["all"]))
     plain = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
