@@ -139,11 +139,11 @@ class LoRALinear(torch.nn.Module):
         rows = n_out // target.n_fused  # output rows of one part (H*D for q, k or v)
         if self.kind == COLUMN:
             rows //= self.tp_size
-        A_PRI = torch.stack([_init_A(name, seed, rank, n_in) for name in target.hf])
+        a_PRI = torch.stack([_init_A(name, seed, rank, n_in) for name in target.hf])
         if self.kind == ROW:
-            A_PRI = tp_shard(A_PRI, 2, self.tp_rank, self.tp_size)
+            a_PRI = tp_shard(a_PRI, 2, self.tp_rank, self.tp_size)
         dtype = base.weight.dtype
-        self.lora_A = torch.nn.Parameter(A_PRI.to(device=base.weight.device, dtype=dtype))
+        self.lora_A = torch.nn.Parameter(a_PRI.to(device=base.weight.device, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(len(target.hf), rows, rank, device=base.weight.device,
                                                      dtype=dtype))
 
@@ -193,8 +193,8 @@ class LoRALinear(torch.nn.Module):
         return self._fuse(parts, dim=0) * self.scaling
 
     def peft_tensors(self, grad: bool = False) -> Iterator[tuple[str, torch.Tensor, int | None]]:
-        """(peft name, this rank's tensor, TP-split dim or None) for each adapter matrix; its gradient
-        instead with ``grad=True``."""
+        """(peft name, this rank's tensor, TP-split dim or None) for each adapter matrix; its ``.grad``
+        instead with ``grad=True`` (plain autograd; megatron DDP accumulates into ``main_grad`` instead)."""
         a_dim = 1 if self.kind == ROW else None
         b_dim = 0 if self.kind == COLUMN else None
         A, B = (self.lora_A.grad, self.lora_B.grad) if grad else (self.lora_A, self.lora_B)

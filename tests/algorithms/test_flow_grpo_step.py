@@ -140,6 +140,13 @@ def test_full_model_float32_matches_plain_autograd(single_rank):
     print(f"full model, float32: worst grad rel err {worst} {errs[worst]:.1e} over {len(errs)} tensors")
     assert errs[worst] <= TOL, worst
     assert metrics[0]["kl"].item() == 0.0
+    with cuda_factories_on_cpu():  # forward-only recomputation of log π (collect_non_loss_data)
+        collected = get_forward_backward_func()(
+            forward_step_func=flow_grpo_forward_step(FlowGRPOLossConfig()), data_iterator=iter(mbs), model=model,
+            num_microbatches=len(mbs), seq_length=1, micro_batch_size=2, forward_only=True, collect_non_loss_data=True)
+    with torch.no_grad():
+        for mb, out in zip(mbs, collected):
+            assert torch.equal(out["log_prob"], step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)[1])
 
 
 def test_kl_needs_a_reference():

@@ -47,7 +47,8 @@ def _hand_reference(arch, adapters):
     ref = diffusers_reference(arch)
     with torch.no_grad():
         for m in _hf_modules(adapters):
-            ref.get_submodule(m).weight += ALPHA / RANK * adapters[f"{m}.lora_B.weight"] @ adapters[f"{m}.lora_A.weight"]
+            a, b = adapters[f"{m}.lora_A.weight"], adapters[f"{m}.lora_B.weight"]
+            ref.get_submodule(m).weight += ALPHA / RANK * b @ a
     return ref
 
 
@@ -212,8 +213,8 @@ def test_zero_B_init_and_checkpoint_keys(single_rank):
         apply_lora(model, RANK, ALPHA, ["to_q", "to_out.0"], qwen_image_rules(arch))
         assert torch.equal(model(img, txt, sigma, FHW, mask), before)  # B = 0: the model is unchanged
     keys_after = set(model.sharded_state_dict())
-    assert keys_after - keys_before == {"blocks.0.attention.linear_qkv.lora_A", "blocks.0.attention.linear_qkv.lora_B",
-                                        "blocks.0.attention.linear_proj.lora_A", "blocks.0.attention.linear_proj.lora_B"}
+    assert keys_after - keys_before == {f"blocks.0.attention.{m}.lora_{x}" for m in ("linear_qkv", "linear_proj")
+                                        for x in "AB"}
     assert keys_before <= keys_after  # base weights keep their checkpoint keys
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         apply_lora(model, RANK, ALPHA, ["to_q"], qwen_image_rules(arch))
