@@ -19,9 +19,10 @@ tensor before ``backward`` (a 3-tuple ``(loss, num_tokens, metrics)`` is divided
 ``calculate_per_token_loss``).  ``loss_func`` returns the mean over its micro-batch, so the accumulated
 gradient is the mean over micro-batches of the per-micro-batch means: the mean over all B·M pairs when
 micro-batches are equally sized (the trainer's layout).  The metrics dict is appended unscaled, one per
-micro-batch, to the list the schedule returns.  The CP factor assumes each CP rank's loss is a partial
-sum; our log-probs are means over a sample's whole latent, so under CP > 1 the log-prob must be reduced
-over the CP group first (not done here: CP = 1 on the local path).
+micro-batch, to the list the schedule returns.  The ×cp_size undoes DDP's averaging over the CP ranks,
+i.e. it expects each CP rank's loss to be its share of the total; our log-probs are means over a sample's
+whole latent, so CP > 1 needs the log-prob reduced over the CP group and this factor accounted for (not
+done here: CP = 1 on the local path).
 
 The model needs what megatron's schedules look up on it: ``config``, ``model_type`` and
 ``set_input_tensor`` (directly, or on a ``.module`` it wraps).  Inline reference forwards (``reference``)
