@@ -1,6 +1,6 @@
-"""`megatron-omni demo` (`make demo`): the main job that runs on a fresh CPU machine.
+"""`megatron-omni demo convert`: the checkpoint-conversion job on a fresh CPU machine.
 
-Until the RL loop lands this is the closest real job: build a small Qwen-Image transformer in
+Build a small Qwen-Image transformer in
 diffusers format, convert it to a Megatron distributed checkpoint at TP=2, load it into our
 megatron-core model at TP=2 (gloo ranks) and at TP=1, check forward parity against diffusers, convert
 back to diffusers and check every tensor is bit-identical.  Prints a table and writes summary.json.
@@ -56,8 +56,8 @@ def _rel(a, b) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-omni demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/demo", help="run folder (replaced if it exists; default runs/demo)")
+    p = argparse.ArgumentParser(prog="megatron-omni demo convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/demo_convert", help="run folder (replaced if it exists; default runs/demo_convert)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the Megatron side (gloo ranks)")
     args = p.parse_args(argv)
     from diffusers import QwenImageTransformer2DModel

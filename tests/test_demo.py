@@ -1,7 +1,7 @@
 """The main job (`make demo`) runs end to end and its summary holds the parity numbers it printed."""
 import json
 
-from megatron_omni.demo import main
+from megatron_omni.demo_convert import main
 
 
 def test_demo_converts_checks_parity_and_writes_summary(tmp_path):

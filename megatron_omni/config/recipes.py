@@ -7,7 +7,8 @@ from typing import Callable
 
 from model_specs.qwen_image.config import QwenImageConfig, tiny_config
 
-from .schema import ConfigError, LoggingConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from .schema import (AlgorithmConfig, ConfigError, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
+                     RewardConfig, RolloutConfig, RunConfig, TrainConfig)
 
 Recipe = Callable[[], RunConfig]
 _RECIPES: dict[str, Recipe] = {}
@@ -55,4 +56,23 @@ def qwen_image_full() -> RunConfig:
         train=TrainConfig(steps=1000, lr=1e-5, micro_batch_size=1, global_batch_size=32, save_every=50,
                           output_dir="runs/qwen_image_full"),
         logging=LoggingConfig(wandb_mode="offline", project="megatron-omni"),
+    )
+
+
+@register_recipe
+def digits_flow_grpo() -> RunConfig:
+    """The demo: a tiny pixel-space Qwen-Image (4 blocks, hidden 128) on 16x16 digits packed 2x2,
+    MiniLM prompts, FlowGRPO against a digit-classifier reward with an SVC judge beside it."""
+    arch = tiny_config(in_channels=4, out_channels=1, num_layers=4, joint_attention_dim=384)
+    return RunConfig(
+        parallel=ParallelConfig(device="cpu"),
+        model=ModelConfig(arch=arch, dtype="float32", backend="local"),
+        train=TrainConfig(steps=30, lr=1e-4, micro_batch_size=32, global_batch_size=128, save_every=10,
+                          output_dir="runs/demo", seed=42),
+        logging=LoggingConfig(wandb_mode="offline", project="megatron-omni-demo"),
+        data=DataConfig(task="digits", text_max_tokens=16),
+        rollout=RolloutConfig(prompts_per_step=8, group_size=8, num_steps=10, noise_level=0.7, window_size=4,
+                              max_num_seqs=64),
+        algorithm=AlgorithmConfig(clip_range=1e-3, logprob_check_samples=8),
+        reward=RewardConfig(name="digit_classifier", judge="digit_judge", workers=2),
     )

@@ -45,11 +45,13 @@ def build_policy(arch: QwenImageConfig, state: ParallelState, *, lr: float, weig
     return Policy(module=module, model=ddp, optimizer=optimizer, state=state)
 
 
-def run_microbatches(policy: Policy, forward_step_func, microbatches: list, forward_only: bool = False):
+def run_microbatches(policy: Policy, forward_step_func, microbatches: list, forward_only: bool = False,
+                     collect_non_loss_data: bool = False):
     """One pass of megatron-core's schedule over ``microbatches`` (PP=1 here, any schedule later).
 
     Returns (per-micro-batch metric dicts, grad norm or None).  Gradients are the mean over
-    micro-batches: the schedule divides each returned loss by their number.
+    micro-batches: the schedule divides each returned loss by their number.  ``collect_non_loss_data``
+    (forward only) returns what ``loss_func(output, non_loss_data=True)`` gives, per micro-batch.
     """
     if not forward_only:
         policy.model.zero_grad_buffer()
@@ -57,7 +59,8 @@ def run_microbatches(policy: Policy, forward_step_func, microbatches: list, forw
     with cuda_factories_on_cpu():
         metrics = get_forward_backward_func()(
             forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=[policy.model],
-            num_microbatches=len(microbatches), seq_length=1, micro_batch_size=1, forward_only=forward_only)
+            num_microbatches=len(microbatches), seq_length=1, micro_batch_size=1, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data)
         grad_norm = None
         if not forward_only:
             _, grad_norm, _ = policy.optimizer.step()

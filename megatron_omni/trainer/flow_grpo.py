@@ -1,0 +1,216 @@
+"""The FlowGRPO loop: rollout -> reward -> advantages -> train -> push weights -> next step.
+
+    for step in steps:
+        trajectories = engine.generate(requests(step))       # G samples per prompt, SDE steps keep log-probs
+        rewards      = reward_pool.submit(decode(...))        # scored in threads while the trainer ...
+        consistency  = recompute_log_probs(some trajectories) # ... re-scores rollout log-probs (decision 6)
+        advantages   = group_advantages(rewards.result())
+        train on (sample, trained step) micro-batches inside megatron-core's forward_backward_func
+        engine.load_weights(export(policy))                   # in-process today; weight sync replaces it
+        log, checkpoint
+
+Every random draw is a function of (seed, step, index), so a run resumed from a checkpoint continues
+exactly as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoints_convert.convert import hf_state_from_mcore, mcore_state_from_hf
+from checkpoints_convert.hf_folder import HFFolder
+from checkpoints_convert.mcore_checkpoint import load_model
+from checkpoints_convert.qwen_image import qwen_image_rules
+from megatron_omni.algorithms import FlowGRPOLossConfig, flow_grpo_forward_step, group_advantages
+from megatron_omni.config.schema import RunConfig
+from megatron_omni.data.tasks import Task
+from megatron_omni.logging import RunLogger
+from megatron_omni.parallel.state import ParallelState
+from megatron_omni.rewards import AsyncRewardPool, build_reward
+from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, Trajectory
+from megatron_omni.trainer.checkpoint import Checkpointer
+from megatron_omni.trainer.microbatches import grpo_microbatches
+from megatron_omni.trainer.policy import Policy, build_policy, run_microbatches
+from model_specs.common.lora import apply_lora, disable_adapters, merged_state
+from model_specs.qwen_image.model import QwenImageModel
+from model_specs.qwen_image.spec import qwen_image_block_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class FlowGRPORun:
+    """Everything the loop holds between steps."""
+
+    cfg: RunConfig
+    task: Task
+    policy: Policy
+    engine: EmbeddedEngine
+    rewards: AsyncRewardPool
+    checkpointer: Checkpointer
+    logger: RunLogger
+    loss_config: FlowGRPOLossConfig
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**63)
+
+
+def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
+    """prompts_per_step prompts drawn for this step (seeded by it), each repeated group_size times."""
+    r = cfg.rollout
+    g = torch.Generator().manual_seed(request_seed(cfg.train.seed, step, -1))
+    picks = torch.randint(0, len(task.prompts), (r.prompts_per_step,), generator=g).tolist()
+    return [Request(prompt=task.prompts[p], prompt_id=k, seed=request_seed(cfg.train.seed, step, k * r.group_size + i),
+                    img_fhw=task.img_fhw, num_steps=r.num_steps, shift=r.shift, sampler=r.sampler,
+                    noise_level=r.noise_level, window_size=r.window_size, window_range=r.window_range,
+                    guidance_scale=r.guidance_scale)
+            for k, p in enumerate(picks) for i in range(r.group_size)]
+
+
+def export_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
+    """The policy's weights under HF names (LoRA merged), for the rollout engine.  TP=1 only until the
+    bucketed weight sync gathers TP/PP shards."""
+    if policy.state.tp * policy.state.pp != 1:
+        raise NotImplementedError("in-process export needs TP=PP=1; TP/PP-sharded export is the weight-sync path")
+    state = merged_state(policy.module)
+    return [(name, t.detach().clone()) for name, t in hf_state_from_mcore(policy.module.arch, state.__getitem__)]
+
+
+def _initial_weights(cfg: RunConfig, state: ParallelState):
+    """``prepare`` hook of build_policy: load the configured weights, then attach LoRA adapters."""
+    def prepare(module: QwenImageModel) -> None:
+        if cfg.model.mcore_path:
+            load_model(module, cfg.model.mcore_path)
+        elif cfg.model.hf_path:
+            folder = HFFolder(cfg.model.hf_path)
+            module.load_state_dict(mcore_state_from_hf(module.arch, folder.get, state.tp_rank, state.tp), strict=False)
+        if cfg.lora.rank > 0:
+            apply_lora(module, cfg.lora.rank, cfg.lora.alpha or cfg.lora.rank, cfg.lora.targets,
+                       qwen_image_rules(module.arch), seed=cfg.train.seed)
+    return prepare
+
+
+def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, resume: bool) -> tuple[FlowGRPORun, int]:
+    arch, dtype = cfg.model.arch, DTYPES[cfg.model.dtype]
+    policy = build_policy(arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad, dtype=dtype,
+                          backend=cfg.model.backend, prepare=_initial_weights(cfg, state))
+    checkpointer = Checkpointer(run_dir / "checkpoints")
+    start = 0
+    if resume and checkpointer.latest_step() is not None:
+        start = checkpointer.load(policy.model, policy.optimizer)["step"] + 1
+    rollout_model = QwenImageModel(arch, arch.transformer_config(1, params_dtype=dtype, perform_initialization=False),
+                                   state.tp_group, qwen_image_block_spec(cfg.model.backend)).to(state.torch_device)
+    engine = EmbeddedEngine(rollout_model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs))
+    engine.load_weights(export_hf(policy))
+    fns = {"reward": build_reward(cfg.reward.name)}
+    if cfg.reward.judge:
+        fns["judge"] = build_reward(cfg.reward.judge)
+    logger = RunLogger(run_dir, cfg.train.steps, cfg.logging.wandb_mode, cfg.logging.project,
+                       config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns))
+    loss_config = FlowGRPOLossConfig(clip_range=cfg.algorithm.clip_range, kl_beta=cfg.algorithm.kl_beta,
+                                     kl_form=cfg.algorithm.kl_form)
+    run = FlowGRPORun(cfg, task, policy, engine, AsyncRewardPool(fns, num_workers=cfg.reward.workers), checkpointer,
+                      logger, loss_config)
+    return run, start
+
+
+def _plain_config(cfg: RunConfig) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def logprob_consistency(run: FlowGRPORun, trajs: list[Trajectory], text) -> dict[str, float]:
+    """Decision 6: the trainer re-scores the rollout's trained steps; mean |Δ log p| and Pearson r."""
+    mbs = grpo_microbatches(trajs, torch.zeros(len(trajs)), text, run.cfg.train.micro_batch_size)
+    out, _ = run_microbatches(run.policy, flow_grpo_forward_step(run.loss_config), mbs, forward_only=True,
+                              collect_non_loss_data=True)
+    trainer_lp = torch.cat([o["log_prob"] for o in out]).cpu()
+    rollout_lp = torch.cat([mb.old_log_prob for mb in mbs]).cpu()
+    pearson = torch.corrcoef(torch.stack([trainer_lp, rollout_lp]))[0, 1].item() if len(trainer_lp) > 1 else 1.0
+    return {"logprob_abs_diff": (trainer_lp - rollout_lp).abs().mean().item(), "logprob_pearson": pearson}
+
+
+def train_on(run: FlowGRPORun, trajs: list[Trajectory], advantages: torch.Tensor, text) -> dict[str, float]:
+    """Optimizer steps over all (sample, trained step) pairs, ``train.global_batch_size`` pairs each."""
+    reference = disable_adapters if run.cfg.lora.rank > 0 else None
+    forward_step = flow_grpo_forward_step(run.loss_config, reference=reference)
+    mbs = grpo_microbatches(trajs, advantages, text, run.cfg.train.micro_batch_size)
+    per_opt_step = max(1, run.cfg.train.global_batch_size // run.cfg.train.micro_batch_size)
+    metrics, norms = [], []
+    for k in range(0, len(mbs), per_opt_step):
+        out, grad_norm = run_microbatches(run.policy, forward_step, mbs[k:k + per_opt_step])
+        metrics += out
+        norms.append(float(grad_norm))
+    summary = {key: torch.stack([torch.as_tensor(m[key]).float() for m in metrics]).mean().item() for key in metrics[0]}
+    summary["grad_norm"] = sum(norms) / len(norms)
+    summary["optimizer_steps"] = len(norms)
+    return summary
+
+
+def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
+    cfg, times = run.cfg, {}
+    t0 = time.perf_counter()
+    trajs = run.engine.generate(make_requests(cfg, run.task, step))
+    times["rollout_seconds"] = time.perf_counter() - t0
+    prompts = [t.request.prompt for t in trajs]
+    images = run.task.decode(torch.stack([t.final_sample for t in trajs]).cpu())
+    pending = run.rewards.submit(images, prompts)  # scored in threads while the trainer re-scores log-probs
+
+    t1 = time.perf_counter()
+    texts = sorted(set(prompts) | ({t.request.negative_prompt for t in trajs} if cfg.rollout.guidance_scale > 1 else set()))
+    emb, mask = run.task.encode(texts)
+    text = {p: (emb[i], mask[i]) for i, p in enumerate(texts)}
+    check = logprob_consistency(run, trajs[: cfg.algorithm.logprob_check_samples], text)
+    scores = pending.result()
+    times["reward_seconds"] = time.perf_counter() - t1
+    if check["logprob_abs_diff"] > cfg.algorithm.logprob_warn_abs:
+        print(f"warning: step {step}: rollout and trainer log-probs differ by {check['logprob_abs_diff']:.3g} on "
+              f"average (threshold {cfg.algorithm.logprob_warn_abs}); Pearson r {check['logprob_pearson']:.4f}")
+
+    rewards = torch.as_tensor(scores["reward"], dtype=torch.float32)
+    adv = group_advantages(rewards, torch.tensor([t.request.prompt_id for t in trajs]), std=cfg.algorithm.adv_std,
+                           clip_max=cfg.algorithm.adv_clip_max)
+    t2 = time.perf_counter()
+    train_metrics = train_on(run, trajs, adv.advantages, text)
+    times["train_seconds"] = time.perf_counter() - t2
+
+    t3 = time.perf_counter()
+    run.engine.load_weights(export_hf(run.policy))
+    times["sync_seconds"] = time.perf_counter() - t3
+    step_seconds = time.perf_counter() - t0
+    metrics = {f"{k}_mean": float(v.mean()) for k, v in scores.items()}
+    metrics.update({f"{k}_std": float(v.std()) for k, v in scores.items()})
+    metrics.update(zero_std_ratio=adv.zero_std_ratio, lr=cfg.train.lr, **train_metrics, **check, **times,
+                   step_seconds=step_seconds, images_per_second=len(trajs) / step_seconds)
+    return {"metrics": metrics, "images": images}
+
+
+def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path, resume: bool = False,
+          stop_after: int | None = None) -> tuple[FlowGRPORun, list[dict]]:
+    """Run (or resume) the FlowGRPO loop; returns the run (its policy is the trained one) and the metrics
+    of the steps run here.  The last step is always checkpointed.  ``stop_after`` ends this call after
+    that many steps without a final checkpoint, as a killed process would (used to test resume)."""
+    run_dir = Path(run_dir)
+    run, start = build_run(cfg, state, task, run_dir, resume)
+    done, last = [], cfg.train.steps - 1
+    try:
+        for step in range(start, cfg.train.steps):
+            result = rl_step(run, step)
+            run.logger.log_step(step, result["metrics"])
+            done.append({"step": step, **result["metrics"]})
+            if step % max(1, cfg.train.steps // 4) == 0 or step == last:
+                run.logger.log_images(step, result["images"][:64])
+            if stop_after is not None and len(done) >= stop_after:
+                break
+            if step == last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+                run.checkpointer.save(step, run.policy.model, run.policy.optimizer, {})
+    finally:
+        run.rewards.close()
+        run.logger.finish()
+    return run, done

@@ -1,0 +1,51 @@
+"""Trajectories -> Flow-GRPO micro-batches over (sample, trained step) pairs.
+
+Pairs are taken in (sample, step) order and cut into micro-batches of ``size`` pairs; a micro-batch
+carries exactly what the rollout saw for each pair (x_t, x_t', t, t', the rollout's log-prob, the
+prompt's text embedding with its mask, and the negative prompt's when the rollout used true CFG).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_omni.algorithms import FlowGRPOMicroBatch
+from megatron_omni.rollout.engine import Trajectory
+
+TextTable = dict[str, tuple[torch.Tensor, torch.Tensor]]  # prompt -> (emb [T, E], mask [T])
+
+
+def _pairs(trajs: list[Trajectory]) -> list[tuple[int, int]]:
+    return [(i, j) for i, tr in enumerate(trajs) for j in torch.nonzero(tr.trained).flatten().tolist()]
+
+
+def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text: TextTable,
+                      size: int) -> list[FlowGRPOMicroBatch]:
+    req = trajs[0].request
+    if any((t.request.img_fhw, t.request.noise_level, t.request.guidance_scale) !=
+           (req.img_fhw, req.noise_level, req.guidance_scale) for t in trajs):
+        raise ValueError("trajectories of one training batch must share image grid, noise level and guidance")
+    pairs = _pairs(trajs)
+    if not pairs:
+        raise ValueError("no trained steps in these trajectories (sampler 'ode', or an empty SDE window)")
+    device = trajs[0].latents.device
+    out = []
+    for k in range(0, len(pairs), size):
+        chunk = pairs[k:k + size]
+        rows = [trajs[i] for i, _ in chunk]
+        steps = torch.tensor([j for _, j in chunk])
+        emb, mask = zip(*(text[t.request.prompt] for t in rows))
+        uncond = {}
+        if req.cfg:
+            u_emb, u_mask = zip(*(text[t.request.negative_prompt] for t in rows))
+            uncond = dict(uncond_txt=torch.stack(u_emb).to(device), uncond_mask=torch.stack(u_mask).to(device),
+                          guidance_scale=req.guidance_scale, cfg_rescale=req.cfg_rescale)
+        out.append(FlowGRPOMicroBatch(
+            x_t=torch.stack([t.latents[j] for t, j in zip(rows, steps)]),
+            txt=torch.stack(emb).to(device), txt_mask=torch.stack(mask).to(device), img_fhw=req.img_fhw,
+            x_next=torch.stack([t.latents[j + 1] for t, j in zip(rows, steps)]),
+            t=torch.stack([t.sigmas[j] for t, j in zip(rows, steps)]).to(device),
+            t_next=torch.stack([t.sigmas[j + 1] for t, j in zip(rows, steps)]).to(device),
+            old_log_prob=torch.stack([t.log_probs[j] for t, j in zip(rows, steps)]).to(device),
+            advantage=advantages_N[[i for i, _ in chunk]].to(device),
+            noise_level=req.noise_level, sigma_1=float(rows[0].sigmas[1]), **uncond))
+    return out
