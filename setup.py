@@ -37,7 +37,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "vllm-omni": ["vllm-omni"],
         "npu": ["torch-npu"],
-        "dev": ["pytest>=8", "pytest-timeout"],
+        "dev": ["pytest>=8", "pytest-timeout", "peft"],  # peft: LoRA parity against diffusers + peft
     },
     entry_points={"console_scripts": ["megatron-omni=megatron_omni.cli:main"]},
 )

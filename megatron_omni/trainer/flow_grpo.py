@@ -97,6 +97,7 @@ def _initial_weights(cfg: RunConfig, state: ParallelState):
 
 def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, resume: bool) -> tuple[FlowGRPORun, int]:
     arch, dtype = cfg.model.arch, DTYPES[cfg.model.dtype]
+    torch.manual_seed(cfg.train.seed)  # random init (no weights configured) is then a function of the seed
     policy = build_policy(arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad, dtype=dtype,
                           backend=cfg.model.backend, prepare=_initial_weights(cfg, state))
     checkpointer = Checkpointer(run_dir / "checkpoints")
