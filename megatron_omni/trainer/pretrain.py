@@ -5,7 +5,6 @@ base model before RL; the same forward_step works for SFT of any family with thi
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +38,13 @@ def flow_matching_forward_step(data_iterator, model):
 
 
 def pretrain(policy: Policy, x0_NIC: torch.Tensor, txt_NTE: torch.Tensor, mask_NT: torch.Tensor,
-             img_fhw: tuple[int, int, int], *, seconds: float, batch_size: int, seed: int,
+             img_fhw: tuple[int, int, int], *, steps: int, batch_size: int, seed: int,
              p_uncond: float = 0.1, uncond: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[float]:
-    """Train for a wall-clock budget; returns the loss per step.  With ``uncond`` (the empty prompt's
-    embedding and mask), a fraction ``p_uncond`` of the prompts is dropped so CFG can be used later."""
-    losses, start, step = [], time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
+    """``steps`` optimizer steps of flow matching; returns the loss per step.  Every draw is seeded by
+    (seed, step), so the result does not depend on the machine's speed.  With ``uncond`` (the empty
+    prompt's embedding and mask), a fraction ``p_uncond`` of prompts is dropped so CFG works later."""
+    losses = []
+    for step in range(steps):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         idx = torch.randint(0, x0_NIC.shape[0], (batch_size,), generator=g)
         txt, mask = txt_NTE[idx].clone(), mask_NT[idx].clone()
@@ -54,5 +54,4 @@ def pretrain(policy: Policy, x0_NIC: torch.Tensor, txt_NTE: torch.Tensor, mask_N
         batch = FlowBatch(x0_NIC[idx], txt, mask, img_fhw, generator_seed=seed * 7919 + step)
         metrics, _ = run_microbatches(policy, flow_matching_forward_step, [batch])
         losses.append(float(metrics[0]["flow_loss"]))
-        step += 1
     return losses
