@@ -14,10 +14,11 @@ exactly as an uninterrupted one.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,8 +35,10 @@ from megatron_omni.rewards import AsyncRewardPool, build_reward
 from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, Trajectory
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches
+from megatron_omni.trainer.mfu import device_peak_flops, step_flops
 from megatron_omni.trainer.policy import Policy, build_policy, run_microbatches
 from model_specs.common.lora import apply_lora, disable_adapters, merged_state
+from model_specs.qwen_image.flops import forward_flops
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
 
@@ -53,7 +56,8 @@ class FlowGRPORun:
     rewards: AsyncRewardPool
     checkpointer: Checkpointer
     logger: RunLogger
-    loss_config: FlowGRPOLossConfig
+    forward_step: Callable  # megatron forward_step_func computing the Flow-GRPO loss
+    text_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def request_seed(seed: int, step: int, index: int) -> int:
@@ -65,10 +69,14 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
     r = cfg.rollout
     g = torch.Generator().manual_seed(request_seed(cfg.train.seed, step, -1))
     picks = torch.randint(0, len(task.prompts), (r.prompts_per_step,), generator=g).tolist()
+    start = None  # one SDE window per step (MixGRPO): every sample trains the same timesteps
+    if r.window_size is not None:
+        lo, hi = r.window_range or (0, r.num_steps - r.window_size)
+        start = int(torch.randint(lo, hi + 1, (1,), generator=g))
     return [Request(prompt=task.prompts[p], prompt_id=k, seed=request_seed(cfg.train.seed, step, k * r.group_size + i),
                     img_fhw=task.img_fhw, num_steps=r.num_steps, shift=r.shift, sampler=r.sampler,
                     noise_level=r.noise_level, window_size=r.window_size, window_range=r.window_range,
-                    guidance_scale=r.guidance_scale)
+                    window_start=start, guidance_scale=r.guidance_scale)
             for k, p in enumerate(picks) for i in range(r.group_size)]
 
 
@@ -100,6 +108,10 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     torch.manual_seed(cfg.train.seed)  # random init (no weights configured) is then a function of the seed
     policy = build_policy(arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad, dtype=dtype,
                           backend=cfg.model.backend, prepare=_initial_weights(cfg, state))
+    loss_config = FlowGRPOLossConfig(clip_range=cfg.algorithm.clip_range, kl_beta=cfg.algorithm.kl_beta,
+                                     kl_form=cfg.algorithm.kl_form)
+    # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not
+    forward_step = flow_grpo_forward_step(loss_config, reference=reference_policy(cfg, policy))
     checkpointer = Checkpointer(run_dir / "checkpoints")
     start = 0
     if resume and checkpointer.latest_step() is not None:
@@ -113,10 +125,8 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
         fns["judge"] = build_reward(cfg.reward.judge)
     logger = RunLogger(run_dir, cfg.train.steps, cfg.logging.wandb_mode, cfg.logging.project,
                        config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns))
-    loss_config = FlowGRPOLossConfig(clip_range=cfg.algorithm.clip_range, kl_beta=cfg.algorithm.kl_beta,
-                                     kl_form=cfg.algorithm.kl_form)
     run = FlowGRPORun(cfg, task, policy, engine, AsyncRewardPool(fns, num_workers=cfg.reward.workers), checkpointer,
-                      logger, loss_config)
+                      logger, forward_step)
     return run, start
 
 
@@ -126,11 +136,25 @@ def _plain_config(cfg: RunConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
+def reference_policy(cfg: RunConfig, policy: Policy):
+    """The KL term's reference: the adapters switched off (LoRA), or a frozen copy of the initial
+    weights (full fine-tune); None without a KL term."""
+    if cfg.algorithm.kl_beta == 0:
+        return None
+    if cfg.lora.rank > 0:
+        return disable_adapters
+    module = policy.module
+    frozen = QwenImageModel(module.arch, module.config, policy.state.tp_group,
+                            qwen_image_block_spec(cfg.model.backend)).to(policy.state.torch_device)
+    frozen.load_state_dict(module.state_dict())
+    frozen.requires_grad_(False).eval()
+    return lambda _model: contextlib.nullcontext(frozen)
+
+
 def logprob_consistency(run: FlowGRPORun, trajs: list[Trajectory], text) -> dict[str, float]:
     """Decision 6: the trainer re-scores the rollout's trained steps; mean |Δ log p| and Pearson r."""
     mbs = grpo_microbatches(trajs, torch.zeros(len(trajs)), text, run.cfg.train.micro_batch_size)
-    out, _ = run_microbatches(run.policy, flow_grpo_forward_step(run.loss_config), mbs, forward_only=True,
-                              collect_non_loss_data=True)
+    out, _ = run_microbatches(run.policy, run.forward_step, mbs, forward_only=True, collect_non_loss_data=True)
     trainer_lp = torch.cat([o["log_prob"] for o in out]).cpu()
     rollout_lp = torch.cat([mb.old_log_prob for mb in mbs]).cpu()
     pearson = torch.corrcoef(torch.stack([trainer_lp, rollout_lp]))[0, 1].item() if len(trainer_lp) > 1 else 1.0
@@ -139,19 +163,26 @@ def logprob_consistency(run: FlowGRPORun, trajs: list[Trajectory], text) -> dict
 
 def train_on(run: FlowGRPORun, trajs: list[Trajectory], advantages: torch.Tensor, text) -> dict[str, float]:
     """Optimizer steps over all (sample, trained step) pairs, ``train.global_batch_size`` pairs each."""
-    reference = disable_adapters if run.cfg.lora.rank > 0 else None
-    forward_step = flow_grpo_forward_step(run.loss_config, reference=reference)
     mbs = grpo_microbatches(trajs, advantages, text, run.cfg.train.micro_batch_size)
     per_opt_step = max(1, run.cfg.train.global_batch_size // run.cfg.train.micro_batch_size)
     metrics, norms = [], []
     for k in range(0, len(mbs), per_opt_step):
-        out, grad_norm = run_microbatches(run.policy, forward_step, mbs[k:k + per_opt_step])
+        out, grad_norm = run_microbatches(run.policy, run.forward_step, mbs[k:k + per_opt_step])
         metrics += out
         norms.append(float(grad_norm))
     summary = {key: torch.stack([torch.as_tensor(m[key]).float() for m in metrics]).mean().item() for key in metrics[0]}
     summary["grad_norm"] = sum(norms) / len(norms)
     summary["optimizer_steps"] = len(norms)
     return summary
+
+
+def prompt_table(run: FlowGRPORun, prompts: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Text embeddings of ``prompts`` for the trainer, encoded once per prompt and cached."""
+    missing = sorted(prompts - run.text_cache.keys())
+    if missing:
+        emb, mask = run.task.encode(missing)
+        run.text_cache.update({p: (emb[i], mask[i]) for i, p in enumerate(missing)})
+    return {p: run.text_cache[p] for p in prompts}
 
 
 def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
@@ -164,9 +195,7 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
     pending = run.rewards.submit(images, prompts)  # scored in threads while the trainer re-scores log-probs
 
     t1 = time.perf_counter()
-    texts = sorted(set(prompts) | ({t.request.negative_prompt for t in trajs} if cfg.rollout.guidance_scale > 1 else set()))
-    emb, mask = run.task.encode(texts)
-    text = {p: (emb[i], mask[i]) for i, p in enumerate(texts)}
+    text = prompt_table(run, set(prompts) | ({t.request.negative_prompt for t in trajs} if cfg.rollout.guidance_scale > 1 else set()))
     check = logprob_consistency(run, trajs[: cfg.algorithm.logprob_check_samples], text)
     scores = pending.result()
     times["reward_seconds"] = time.perf_counter() - t1
@@ -186,10 +215,27 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
     times["sync_seconds"] = time.perf_counter() - t3
     step_seconds = time.perf_counter() - t0
     metrics = {f"{k}_mean": float(v.mean()) for k, v in scores.items()}
+    metrics.update(_utilisation(cfg, run.task, trajs, step_seconds))
     metrics.update({f"{k}_std": float(v.std()) for k, v in scores.items()})
     metrics.update(zero_std_ratio=adv.zero_std_ratio, lr=cfg.train.lr, **train_metrics, **check, **times,
                    step_seconds=step_seconds, images_per_second=len(trajs) / step_seconds)
     return {"metrics": metrics, "images": images}
+
+
+def _utilisation(cfg: RunConfig, task: Task, trajs: list[Trajectory], seconds: float) -> dict[str, float]:
+    """Achieved TFLOP/s of the step's DiT work, and MFU where the device's peak is known."""
+    per_row = forward_flops(cfg.model.arch, 1, task.img_fhw[0] * task.img_fhw[1] * task.img_fhw[2],
+                            cfg.data.text_max_tokens)
+    cfg_rows = 2 if cfg.rollout.guidance_scale > 1 else 1
+    pairs = int(sum(int(t.trained.sum()) for t in trajs))
+    check = int(sum(int(t.trained.sum()) for t in trajs[: cfg.algorithm.logprob_check_samples]))
+    extra = pairs * ((cfg_rows - 1) + (1 if cfg.algorithm.kl_beta > 0 else 0))
+    flops = step_flops(per_row, len(trajs) * cfg.rollout.num_steps * cfg_rows, check * cfg_rows, pairs, extra)
+    out = {"tflops_per_second": flops / seconds / 1e12}
+    peak = device_peak_flops(DTYPES[cfg.model.dtype])
+    if peak:
+        out["mfu"] = flops / seconds / peak
+    return out
 
 
 def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path, resume: bool = False,

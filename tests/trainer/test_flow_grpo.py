@@ -8,7 +8,8 @@ from megatron_omni.config import load_config
 from megatron_omni.data.tasks import build_task
 from megatron_omni.trainer.flow_grpo import train
 
-TIMING = ("rollout_seconds", "reward_seconds", "train_seconds", "sync_seconds", "step_seconds", "images_per_second")
+TIMING = ("rollout_seconds", "reward_seconds", "train_seconds", "sync_seconds", "step_seconds", "images_per_second",
+          "tflops_per_second", "mfu")
 TINY = ["train.steps=4", "train.save_every=2", "train.micro_batch_size=8", "train.global_batch_size=8",
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.num_steps=4", "rollout.window_size=2",
         "algorithm.logprob_check_samples=4", "logging.wandb_mode=disabled", "model.arch.num_layers=2"]
@@ -48,3 +49,14 @@ def test_run_folder_and_logprob_consistency(tmp_path, single_rank, task):
             assert key in m
     names = {p.name for p in (tmp_path / "run").iterdir()}
     assert {"metrics.jsonl", "reward_curve.png", "samples_step00000.png", "checkpoints"} <= names
+
+
+def test_lora_run_trains_adapters_only_with_kl_to_the_base(tmp_path, single_rank, task):
+    cfg = load_config("digits_flow_grpo", None, TINY + ["train.steps=1", "lora.rank=4", "algorithm.kl_beta=0.01"])
+    run, done = train(cfg, single_rank, task, tmp_path / "lora")
+    trainable = [n for n, p in run.policy.module.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
+    assert done[0]["grad_norm"] > 0 and done[0]["kl"] >= 0
+    # the engine received merged weights: W + (alpha/r) B A, not the bare base
+    assert any(m.delta_weight().abs().max() > 0 for m in __import__("model_specs.common.lora", fromlist=["x"])
+               .lora_modules(run.policy.module).values())
