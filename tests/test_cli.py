@@ -39,10 +39,10 @@ def test_train_print_config_is_loadable_yaml(capsys, tmp_path):
     assert load_config(None, str(path), []) == load_config("qwen_image_tiny", None, overrides)
 
 
-def test_train_without_print_config_says_not_built(capsys):
-    assert cli.main(["train", "--recipe", "qwen_image_tiny"]) == 2
+def test_train_refuses_a_model_that_does_not_fit_the_task(capsys):
+    assert cli.main(["train", "--recipe", "qwen_image_tiny", "parallel.device=cpu"]) == 2
     err = capsys.readouterr().err
-    assert "RL training loop is not built yet" in err and "FlowGRPO" in err
+    assert "task 'digits' has 4 packed latent channels" in err and "in_channels=64" in err
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])

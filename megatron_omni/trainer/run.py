@@ -1,0 +1,31 @@
+"""`megatron-omni train`: bring up the parallel groups and the task, check they fit the model, run the loop."""
+from __future__ import annotations
+
+from megatron_omni.config.schema import RunConfig
+from megatron_omni.data.tasks import Task, build_task
+from megatron_omni.parallel.state import destroy_parallel, init_parallel
+
+
+def check_task_fits(cfg: RunConfig, task: Task) -> None:
+    arch = cfg.model.arch
+    if (arch.in_channels, arch.out_features) != (task.latent_channels, task.latent_channels):
+        raise ValueError(f"task {task.name!r} has {task.latent_channels} packed latent channels; the model takes "
+                         f"model.arch.in_channels={arch.in_channels} and predicts patch_size^2*out_channels="
+                         f"{arch.out_features}: expected both {task.latent_channels}")
+    if arch.joint_attention_dim != task.text_dim:
+        raise ValueError(f"task {task.name!r} encodes prompts to width {task.text_dim}; expected "
+                         f"model.arch.joint_attention_dim={arch.joint_attention_dim} to match")
+
+
+def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
+    from megatron_omni.trainer.flow_grpo import train
+
+    state = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, seed=cfg.train.seed,
+                          device=cfg.parallel.device)
+    try:
+        task = build_task(cfg.data.task, cfg.data.text_max_tokens)
+        check_task_fits(cfg, task)
+        _, done = train(cfg, state, task, cfg.train.output_dir, resume=resume)
+        return done
+    finally:
+        destroy_parallel()
