@@ -67,7 +67,7 @@ def digits_flow_grpo() -> RunConfig:
     return RunConfig(
         parallel=ParallelConfig(device="cpu"),
         model=ModelConfig(arch=arch, dtype="float32", backend="local"),
-        train=TrainConfig(steps=80, lr=1e-4, micro_batch_size=32, global_batch_size=128, save_every=20,
+        train=TrainConfig(steps=60, lr=1e-4, micro_batch_size=32, global_batch_size=128, save_every=20,
                           output_dir="runs/demo", seed=42),
         logging=LoggingConfig(wandb_mode="offline", project="megatron-omni-demo"),
         data=DataConfig(task="digits", text_max_tokens=16),

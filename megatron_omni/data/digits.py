@@ -3,6 +3,8 @@ image task: 16x16 grayscale images in [-1, 1], packed 2x2 into 64 tokens of 4 ch
 Qwen-Image uses for its VAE latents.  Prompts are "a handwritten digit seven"."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -16,12 +18,16 @@ def prompt_for(digit: int) -> str:
     return f"a handwritten digit {DIGIT_NAMES[digit]}"
 
 
-def digit_of(prompt: str) -> int:
-    """Inverse of :func:`prompt_for`; a clear error for anything else."""
-    name = prompt.rsplit(" ", 1)[-1]
-    if name not in DIGIT_NAMES:
-        raise ValueError(f"prompt {prompt!r} does not end with a digit name; expected one of {DIGIT_NAMES}")
-    return DIGIT_NAMES.index(name)
+_DIGIT_WORD = re.compile(r"\b(" + "|".join(DIGIT_NAMES) + r")\b", re.IGNORECASE)
+
+
+def prompt_digit(prompt: str) -> int:
+    """The digit a prompt names ("a handwritten digit seven" → 7); exactly one digit name expected."""
+    names = {m.lower() for m in _DIGIT_WORD.findall(prompt)}
+    if len(names) != 1:
+        raise ValueError(f"digit prompt {prompt!r} names {sorted(names) or 'no digit'}; expected exactly one "
+                         f"of {DIGIT_NAMES}, e.g. 'a handwritten digit seven'")
+    return DIGIT_NAMES.index(names.pop())
 
 
 def load_digit_images() -> tuple[torch.Tensor, torch.Tensor]:

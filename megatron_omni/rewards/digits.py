@@ -16,7 +16,6 @@ to 16×16, the way the training data was made), as
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -26,21 +25,10 @@ import torch.nn.functional as F
 from megatron_omni.rewards.digit_models import (IMAGE_SIZE, load_or_train_cnn, load_or_train_judge,
                                                 pool_to_8x8)
 from megatron_omni.rewards.images import to_pil_list
+from megatron_omni.data.digits import prompt_digit
 from megatron_omni.rewards.registry import register_reward
 
-DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-_DIGIT_WORD = re.compile(r"\b(" + "|".join(DIGIT_NAMES) + r")\b", re.IGNORECASE)
-_RANGE_TOLERANCE = 1e-3
-
-
-def prompt_digit(prompt: str) -> int:
-    """The digit a prompt names ("a handwritten digit seven" → 7); exactly one digit name expected."""
-    names = {m.lower() for m in _DIGIT_WORD.findall(prompt)}
-    if len(names) != 1:
-        raise ValueError(f"digit prompt {prompt!r} names {sorted(names) or 'no digit'}; expected exactly one "
-                         f"of {DIGIT_NAMES}, e.g. 'a handwritten digit seven'")
-    return DIGIT_NAMES.index(names.pop())
-
+_RANGE_TOLERANCE = 1e-3  # images may overshoot [0, 1] by this much (interpolation) before it is an error
 
 def to_digit_images(images: Any) -> torch.Tensor:
     """Any accepted image batch → float32 [N, 16, 16] in [0, 1], ink bright (see the module docstring)."""

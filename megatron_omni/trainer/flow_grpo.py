@@ -69,14 +69,13 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
     r = cfg.rollout
     g = torch.Generator().manual_seed(request_seed(cfg.train.seed, step, -1))
     picks = torch.randint(0, len(task.prompts), (r.prompts_per_step,), generator=g).tolist()
-    start = None  # one SDE window per step (MixGRPO): every sample trains the same timesteps
-    if r.window_size is not None:
-        lo, hi = r.window_range or (0, r.num_steps - r.window_size)
-        start = int(torch.randint(lo, hi + 1, (1,), generator=g))
+    # Each sample draws its own SDE window from its seed.  One window shared by the whole step
+    # (MixGRPO's schedule) was tried on the digits demo: the judge fell to 0.14-0.3 by step 30-40 while
+    # the reward rose (reward hacking), against 0.34 -> 0.62 with per-sample windows.
     return [Request(prompt=task.prompts[p], prompt_id=k, seed=request_seed(cfg.train.seed, step, k * r.group_size + i),
                     img_fhw=task.img_fhw, num_steps=r.num_steps, shift=r.shift, sampler=r.sampler,
                     noise_level=r.noise_level, window_size=r.window_size, window_range=r.window_range,
-                    window_start=start, guidance_scale=r.guidance_scale)
+                    guidance_scale=r.guidance_scale)
             for k, p in enumerate(picks) for i in range(r.group_size)]
 
 

@@ -6,7 +6,7 @@ import torch
 
 from megatron_omni.rewards import build_reward
 from megatron_omni.rewards.digit_models import load_digit_split, load_or_train_cnn
-from megatron_omni.rewards.digits import DIGIT_NAMES, prompt_digit
+from megatron_omni.data.digits import DIGIT_NAMES, prompt_digit
 
 
 @pytest.fixture(scope="module")

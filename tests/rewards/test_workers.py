@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_omni.rewards import AsyncRewardPool, RewardError, build_reward, compute_rewards
-from megatron_omni.rewards.digits import DIGIT_NAMES
+from megatron_omni.data.digits import DIGIT_NAMES
 from tests.rewards.test_ocr import needs_tesseract, render
 
 
