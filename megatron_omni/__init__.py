@@ -8,5 +8,6 @@ import warnings
 for _message in (r"Transformer Engine and Apex are not installed", r"absl\.logging is not installed",
                  r"full scope is deprecated", r"torch\.distributed is disabled, unavailable or uninitialized",
                  r"The argument order of load has been changed", r"When using async grad allreduce",
-                 r"`torch\.distributed\.all_gather_into_tensor` is deprecated"):
+                 r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"Apex is not installed",
+                 r"MimoModelConfig is experimental"):
     warnings.filterwarnings("ignore", message=_message)
