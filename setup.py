@@ -23,6 +23,7 @@ setup(
         "safetensors>=0.4",
         "omegaconf>=2.4",  # Literal choice fields,
         "tqdm",
+        "xxhash",  # weight sync: per-tensor checksums (megatron_omni.sync)
         "rich",
         "matplotlib",  # reward curves in the run folder
         "wandb",  # offline by default

@@ -173,6 +173,30 @@ class LoRAConfig:
 
 
 @dataclass
+class SyncConfig:
+    """Weight sync trainer -> rollout engine (megatron_omni.sync, DESIGN.md decision 5)."""
+
+    # in_process: the engine lives in each trainer rank (no transport); process: engine process(es) behind
+    # a dedicated process group (nccl / hccl / gloo); colocated: one engine process on the trainer's device,
+    # fed through shared memory (CUDA IPC on GPU)
+    engine_placement: Literal["in_process", "process", "colocated"] = "in_process"
+    num_engines: int = 1  # engine processes ("process" placement); requests are split evenly over them
+    mode: Literal["auto", "full", "merged"] = "auto"  # auto: merged when LoRA is on, else full
+    bucket_mb: int = 1024  # flat byte buckets; 512-2048 MiB suits GPUs, tensors larger than one are chunked
+    backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # auto: the trainer device's backend
+    checksum: bool = False  # xxh3 per tensor: proves the engine holds exactly the trainer's weights
+    timeout_s: float = 300.0  # a dead peer fails the other side after this long instead of hanging
+
+    def validate(self) -> None:
+        _require_positive("sync", num_engines=self.num_engines, bucket_mb=self.bucket_mb)
+        if not self.timeout_s > 0:
+            raise ConfigError(f"sync.timeout_s: expected > 0 seconds, got {self.timeout_s}")
+        if self.engine_placement == "colocated" and self.num_engines != 1:
+            raise ConfigError(f"sync.num_engines: {self.num_engines} with engine_placement=colocated; expected 1 "
+                              f"(one engine process shares the trainer's device)")
+
+
+@dataclass
 class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -183,6 +207,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first field (or combination of fields) that cannot work."""
@@ -190,12 +215,15 @@ class RunConfig:
         self.model.validate(self.parallel.tp)
         self.train.validate()
         self.logging.validate()
-        for section in (self.data, self.rollout, self.algorithm, self.reward, self.lora):
+        for section in (self.data, self.rollout, self.algorithm, self.reward, self.lora, self.sync):
             section.validate()
         self._validate_split()
 
     def _validate_split(self) -> None:
         p, arch = self.parallel, self.model.arch
+        if self.sync.engine_placement != "in_process" and p.pp > 1:
+            raise ConfigError(f"sync.engine_placement: {self.sync.engine_placement} with parallel.pp={p.pp}; the "
+                              f"FlowGRPO loop sends from one stage today, expected pp=1 or in_process")
         # Ulysses re-splits the heads a TP rank holds, so each of its ranks must get whole heads.
         if arch.num_attention_heads % (p.tp * p.ulysses):
             raise ConfigError(f"parallel.ulysses: tp*ulysses = {p.tp}*{p.ulysses} does not divide "

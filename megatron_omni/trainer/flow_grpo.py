@@ -6,7 +6,7 @@
         consistency  = recompute_log_probs(some trajectories) # ... re-scores rollout log-probs (decision 6)
         advantages   = group_advantages(rewards.result())
         train on (sample, trained step) micro-batches inside megatron-core's forward_backward_func
-        engine.load_weights(export(policy))                   # in-process today; weight sync replaces it
+        push_weights(engine, export(policy))                  # bucketed weight sync (megatron_omni.sync)
         log, checkpoint
 
 Every random draw is a function of (seed, step, index), so a run resumed from a checkpoint continues
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,11 +34,12 @@ from megatron_omni.logging import RunLogger
 from megatron_omni.parallel.state import ParallelState
 from megatron_omni.rewards import AsyncRewardPool, build_reward
 from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, Trajectory
+from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, push_weights
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches
 from megatron_omni.trainer.mfu import device_peak_flops, step_flops
 from megatron_omni.trainer.policy import Policy, build_policy, run_microbatches
-from model_specs.common.lora import apply_lora, disable_adapters, merged_state
+from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
 from model_specs.qwen_image.flops import forward_flops
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -52,7 +54,7 @@ class FlowGRPORun:
     cfg: RunConfig
     task: Task
     policy: Policy
-    engine: EmbeddedEngine
+    engine: EmbeddedEngine | Rank0Engine  # in this process, or engine processes (sync.engine_placement)
     rewards: AsyncRewardPool
     checkpointer: Checkpointer
     logger: RunLogger
@@ -80,12 +82,52 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
 
 
 def export_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
-    """The policy's weights under HF names (LoRA merged), for the rollout engine.  TP=1 only until the
-    bucketed weight sync gathers TP/PP shards."""
-    if policy.state.tp * policy.state.pp != 1:
-        raise NotImplementedError("in-process export needs TP=PP=1; TP/PP-sharded export is the weight-sync path")
-    state = merged_state(policy.module)
-    return [(name, t.detach().clone()) for name, t in hf_state_from_mcore(policy.module.arch, state.__getitem__)]
+    """The policy's weights under HF names (LoRA merged), gathered over TP: a collective, every TP rank
+    calls it.  Holds the whole model; the loop streams through ``push_weights`` instead."""
+    exporter = HFExporter(policy.module, policy.state.tp_group, mode="merged" if lora_modules(policy.module) else "full")
+    return [(name, t.detach().clone()) for name, t in exporter.tensors()]
+
+
+def push_policy_weights(run: "FlowGRPORun") -> dict:
+    """One weight sync, policy -> rollout engine(s), bucket by bucket (megatron_omni.sync)."""
+    s, module = run.cfg.sync, run.policy.module
+    mode = s.mode if s.mode != "auto" else ("merged" if lora_modules(module) else "full")
+    bucket = s.bucket_mb << 20
+    exporter = HFExporter(module, run.policy.state.tp_group, mode=mode, bucket_bytes=bucket)
+    return push_weights(run.engine, exporter, bucket, s.checksum)
+
+
+def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
+    """The rollout engine of the run: in this process, or engine process(es) driven by trainer rank 0."""
+    if cfg.sync.engine_placement == "in_process":
+        arch, dtype = cfg.model.arch, DTYPES[cfg.model.dtype]
+        model = QwenImageModel(arch, arch.transformer_config(1, params_dtype=dtype, perform_initialization=False),
+                               state.tp_group, qwen_image_block_spec(cfg.model.backend)).to(state.torch_device)
+        return EmbeddedEngine(model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs))
+    engines = None
+    if state.rank == 0:
+        s = cfg.sync
+        backend = s.backend if s.backend != "auto" else state.device.backend
+        engines = RemoteEngines.spawn(partial(engine_process, cfg, state.world_size), n=s.num_engines,
+                                      placement=s.engine_placement, backend=backend, timeout_s=s.timeout_s,
+                                      bucket_bytes=s.bucket_mb << 20, device=str(state.torch_device))
+    return Rank0Engine(engines)
+
+
+def engine_process(cfg: RunConfig, trainer_world: int, index: int) -> EmbeddedEngine:
+    """Factory run inside an engine process: a world of its own, the task's text encoder, a TP=1 model
+    (weights arrive by the first sync).  "process" engines on GPUs take the GPUs after the trainer's."""
+    import os
+
+    from megatron_omni.data.tasks import build_task
+    from megatron_omni.parallel.state import init_parallel
+
+    if cfg.sync.engine_placement == "process" and cfg.parallel.device != "cpu" and os.environ.get(
+            "CUDA_VISIBLE_DEVICES") != "":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(trainer_world + index)
+    state = init_parallel(seed=cfg.train.seed, device=cfg.parallel.device)
+    task = build_task(cfg.data.task, cfg.data.text_max_tokens)
+    return _build_engine(replace(cfg, sync=replace(cfg.sync, engine_placement="in_process")), state, task)
 
 
 def _initial_weights(cfg: RunConfig, state: ParallelState):
@@ -115,10 +157,7 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     start = 0
     if resume and checkpointer.latest_step() is not None:
         start = checkpointer.load(policy.model, policy.optimizer)["step"] + 1
-    rollout_model = QwenImageModel(arch, arch.transformer_config(1, params_dtype=dtype, perform_initialization=False),
-                                   state.tp_group, qwen_image_block_spec(cfg.model.backend)).to(state.torch_device)
-    engine = EmbeddedEngine(rollout_model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs))
-    engine.load_weights(export_hf(policy))
+    engine = _build_engine(cfg, state, task)
     fns = {"reward": build_reward(cfg.reward.name)}
     if cfg.reward.judge:
         fns["judge"] = build_reward(cfg.reward.judge)
@@ -126,6 +165,7 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
                        config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns))
     run = FlowGRPORun(cfg, task, policy, engine, AsyncRewardPool(fns, num_workers=cfg.reward.workers), checkpointer,
                       logger, forward_step)
+    push_policy_weights(run)
     return run, start
 
 
@@ -210,7 +250,7 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
     times["train_seconds"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
-    run.engine.load_weights(export_hf(run.policy))
+    push_policy_weights(run)
     times["sync_seconds"] = time.perf_counter() - t3
     step_seconds = time.perf_counter() - t0
     metrics = {f"{k}_mean": float(v.mean()) for k, v in scores.items()}
@@ -259,4 +299,6 @@ def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path,
     finally:
         run.rewards.close()
         run.logger.finish()
+        if isinstance(run.engine, Rank0Engine):  # stop the engine processes
+            run.engine.close()
     return run, done

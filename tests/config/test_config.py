@@ -65,7 +65,7 @@ def test_example_yaml_in_launch_is_valid():
 @pytest.mark.parametrize("override, message", [
     ("parallel.tpp=2", "unknown key 'parallel.tpp' (known: tp, cp, ulysses, pp, vpp, device)"),
     ("model.arch.num_layerz=2", "unknown key 'model.arch.num_layerz' (known: patch_size,"),
-    ("trainer.lr=1", "unknown key 'trainer' (known: parallel, model, train, logging, data, rollout, algorithm, reward, lora)"),
+    ("trainer.lr=1", "unknown key 'trainer' (known: parallel, model, train, logging, data, rollout, algorithm, reward, lora, sync)"),
 ])
 def test_unknown_key_names_dotted_key(override, message):
     with pytest.raises(ConfigError) as e:

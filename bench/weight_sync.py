@@ -1,0 +1,166 @@
+"""Weight-sync benchmark: seconds per sync and GB/s, trainer -> rollout engine (megatron_omni.sync).
+
+Cases (each a fresh engine process):
+  gpu2gpu    trainer on GPU 0, engine process on GPU 1, dedicated NCCL group (needs 2 GPUs;
+             with --smoke: two CPU processes over gloo)
+  colocated  engine process on the trainer's GPU, shared-memory (CUDA IPC) buckets opened once
+  lora       colocated, LoRA r64 / alpha 128 on the 12 usual Qwen-Image linears, adapters only
+Each case runs with ``--load engine`` (EmbeddedEngine.load_weights: validate, stage, copy) or
+``--load none`` (the receiver checks the plan against a meta-device model and drops the bytes:
+transport alone), or both (default).  Full-size Qwen-Image (20.43 B params, bf16, random init)
+unless ``--smoke``: the tiny model on the CPU over gloo / POSIX shared memory, to check the script.
+
+    python bench/weight_sync.py --smoke
+    python bench/weight_sync.py --cases gpu2gpu,colocated,lora --bucket-mb 1024 --repeats 5
+
+Median of ``--repeats`` syncs after one warm-up; GB/s counts the bytes of the HF tensors sent.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from datetime import date
+from functools import partial
+
+import torch
+
+from checkpoints_convert.qwen_image import qwen_image_rules
+from megatron_omni.parallel.state import init_parallel
+from megatron_omni.rollout.engine import EmbeddedEngine
+from megatron_omni.sync import HFExporter, RemoteEngines, push_weights
+from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
+from model_specs.qwen_image.config import QwenImageConfig, tiny_config
+from model_specs.qwen_image.model import QwenImageModel
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class SinkEngine(EmbeddedEngine):
+    """Receives and drops the tensors (the plan is still checked against its meta-device model)."""
+
+    def load_weights(self, weights):
+        n = 0
+        for _, t in weights:
+            n += t.numel()
+        return set()
+
+
+def _model(arch: QwenImageConfig, dtype, device, tp_group, lora_rank: int, random: bool) -> QwenImageModel:
+    with torch.device(device):  # parameters are allocated where they live (meta: shapes only)
+        model = QwenImageModel(arch, arch.transformer_config(1, params_dtype=dtype, perform_initialization=False),
+                               tp_group)
+    if random and device != "meta":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+    if lora_rank:
+        apply_lora(model, lora_rank, 2.0 * lora_rank, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
+        if device != "meta":
+            model.to(device)
+    return model
+
+
+def engine_factory(arch: QwenImageConfig, dtype_name: str, gpu: int | None, lora_rank: int, sink: bool,
+                   index: int) -> EmbeddedEngine:
+    import os
+
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before CUDA starts in this process: cuda:0 is that GPU
+    state = init_parallel(device="cuda" if gpu is not None else "cpu")
+    device = "meta" if sink else str(state.torch_device)
+    model = _model(arch, DTYPES[dtype_name], device, state.tp_group, lora_rank, random=False)
+    return (SinkEngine if sink else EmbeddedEngine)(model, arch)
+
+
+CASES = {"gpu2gpu": ("process", 1), "colocated": ("colocated", 0), "lora": ("colocated", 0)}  # placement, GPU
+
+
+def run_case(name: str, args, arch, state, trainer_model, load: str) -> dict:
+    gpu = args.device == "cuda"
+    lora = args.lora_rank if name == "lora" else 0
+    model = trainer_model(lora)
+    placement, engine_gpu = CASES[name]
+    bucket = args.bucket_mb << 20
+    engines = RemoteEngines.spawn(partial(engine_factory, arch, args.dtype, engine_gpu if gpu else None, lora,
+                                          load == "none"),
+                                  placement=placement, backend="nccl" if gpu else "gloo", timeout_s=args.timeout_s,
+                                  bucket_bytes=bucket, device=str(state.torch_device), start_timeout_s=1800)
+    try:
+        times, stats = [], {}
+        for i in range(args.repeats + 1):
+            exporter = HFExporter(model, state.tp_group, mode="lora" if lora else "full", bucket_bytes=bucket)
+            if gpu:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            stats = push_weights(engines, exporter, bucket, checksum=False)
+            if gpu:
+                torch.cuda.synchronize()
+            if i:  # the first sync is the warm-up (allocations, NCCL connections)
+                times.append(time.perf_counter() - t0)
+        secs = statistics.median(times)
+        label = name if not (name == "gpu2gpu" and not gpu) else "process (gloo)"
+        return {"case": label, "load": load, "GB": stats["bytes"] / 1e9, "buckets": stats["buckets"],
+                "seconds": secs, "GB/s": stats["bytes"] / 1e9 / secs, "tensors": stats["tensors"]}
+    finally:
+        engines.close()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny model, CPU, gloo / POSIX shared memory")
+    p.add_argument("--cases", default="gpu2gpu,colocated,lora")
+    p.add_argument("--load", choices=["engine", "none", "both"], default="both")
+    p.add_argument("--bucket-mb", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    if args.smoke:
+        arch, args.device, args.bucket_mb, args.repeats, args.lora_rank = tiny_config(), "cpu", 1, 3, 4
+    else:
+        arch, args.device = QwenImageConfig(), "cuda"
+    state = init_parallel(device=args.device)
+    dtype = DTYPES[args.dtype]
+    cache = {}
+
+    def trainer_model(lora_rank):
+        if lora_rank not in cache:
+            cache.clear()  # one full-size model at a time
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            cache[lora_rank] = _model(arch, dtype, str(state.torch_device), state.tp_group, lora_rank, random=True)
+        return cache[lora_rank]
+
+    loads = ["engine", "none"] if args.load == "both" else [args.load]
+    rows = []
+    for name in args.cases.split(","):
+        if name not in CASES:
+            raise SystemExit(f"--cases: {name!r} is not one of {list(CASES)}")
+        if name == "gpu2gpu" and not args.smoke and torch.cuda.device_count() < 2:
+            print("skipping gpu2gpu: needs 2 GPUs")
+            continue
+        rows += [run_case(name, args, arch, state, trainer_model, load) for load in loads]
+    _print(rows, args)
+
+
+def _print(rows: list[dict], args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    title = (f"weight sync, {'tiny model, CPU (smoke)' if args.smoke else 'Qwen-Image 20.4 B'} {args.dtype}, "
+             f"bucket {args.bucket_mb} MiB, median of {args.repeats} — {date.today()} {commit}")
+    table = Table(title=title)
+    for col in ("case", "engine load", "GB", "tensors", "buckets", "s / sync", "GB/s"):
+        table.add_column(col, justify="right" if col not in ("case", "engine load") else "left")
+    for r in rows:
+        table.add_row(r["case"], r["load"], f"{r['GB']:.4f}", str(r["tensors"]), str(r["buckets"]),
+                      f"{r['seconds']:.4f}", f"{r['GB/s']:.2f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
