@@ -1,0 +1,110 @@
+"""Rollout forward throughput of the full-size Qwen-Image DiT: ours (megatron-core specs, TP=1) beside
+diffusers' QwenImageTransformer2DModel, same GPU, same run.  Random init, bf16, 512x512 (1024 image
+tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one table.
+
+    python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5]
+
+MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, BENCHMARKS.md); FLOPs from
+model_specs/qwen_image/flops.py (16.6 TFLOP per image at 512x512).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+
+import torch
+
+import megatron_omni  # noqa: F401  (quiet upstream notices)
+from model_specs.qwen_image.config import QwenImageConfig
+from model_specs.qwen_image.flops import forward_flops
+
+PEAK = 792e12
+FHW, TEXT = (1, 32, 32), 128
+
+
+def _time(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` runs after two warm-ups (CUDA events)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _inputs(arch: QwenImageConfig, batch: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = FHW[0] * FHW[1] * FHW[2]
+    return (torch.randn(batch, n, arch.in_channels, device="cuda", generator=g, dtype=torch.bfloat16),
+            torch.randn(batch, TEXT, arch.joint_attention_dim, device="cuda", generator=g, dtype=torch.bfloat16),
+            torch.rand(batch, device="cuda", generator=g))
+
+
+def ours(arch, batches, repeats):
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+    from model_specs.qwen_image.model import QwenImageModel
+    from model_specs.qwen_image.spec import qwen_image_block_spec
+
+    state = init_parallel(device="cuda")
+    cfg = arch.transformer_config(1, params_dtype=torch.bfloat16, use_cpu_initialization=False)
+    model = QwenImageModel(arch, cfg, state.tp_group, qwen_image_block_spec("local")).cuda().eval()
+    out = {}
+    with torch.no_grad():
+        for b in batches:
+            img, txt, sigma = _inputs(arch, b)
+            out[b] = _time(lambda: model(img, txt, sigma, FHW, None), repeats)
+    del model
+    destroy_parallel()
+    return out
+
+
+def reference(arch, batches, repeats):
+    from diffusers import QwenImageTransformer2DModel
+
+    kwargs = {k: v for k, v in arch.to_diffusers().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel(**kwargs).to(torch.bfloat16)
+    model = model.to_empty(device="cuda").eval()
+    # the RoPE tables are plain attributes, not buffers: rebuild them off the meta device
+    model.pos_embed = type(model.pos_embed)(theta=10000, axes_dim=list(arch.axes_dims_rope), scale_rope=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    out = {}
+    with torch.no_grad():
+        for b in batches:
+            img, txt, sigma = _inputs(arch, b)
+            out[b] = _time(lambda: model(hidden_states=img, encoder_hidden_states=txt, timestep=sigma,
+                                         img_shapes=[[FHW]] * b, return_dict=False), repeats)
+    del model
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--layers", type=int, default=60, help="blocks (60 = full size)")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    arch = QwenImageConfig(num_layers=args.layers)
+    results = {"megatron-omni": ours(arch, args.batches, args.repeats)}
+    gc.collect()
+    torch.cuda.empty_cache()
+    results["diffusers"] = reference(arch, args.batches, args.repeats)
+    print(f"\n{torch.cuda.get_device_name()}, {args.layers} blocks, bf16, 512x512 + {TEXT} text tokens, eager")
+    print(f"{'model':<14} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
+    for name, rows in results.items():
+        for b, ms in rows.items():
+            flops = forward_flops(arch, b, FHW[0] * FHW[1] * FHW[2], TEXT)
+            print(f"{name:<14} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
+                  f"{flops / ms / 1e9 / (PEAK / 1e12):>6.1%}")
+
+
+if __name__ == "__main__":
+    main()
