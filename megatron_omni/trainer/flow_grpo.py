@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from checkpoints_convert.convert import hf_state_from_mcore, mcore_state_from_hf
@@ -227,16 +228,28 @@ def prompt_table(run: FlowGRPORun, prompts: set[str]) -> dict[str, tuple[torch.T
 def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
     cfg, times = run.cfg, {}
     t0 = time.perf_counter()
-    trajs = run.engine.generate(make_requests(cfg, run.task, step))
-    times["rollout_seconds"] = time.perf_counter() - t0
+    # two rollout halves (whole groups each): the first half is scored in reward threads while the
+    # second is sampled, the second while the trainer re-scores log-probs
+    requests = make_requests(cfg, run.task, step)
+    half = (cfg.rollout.prompts_per_step // 2 or cfg.rollout.prompts_per_step) * cfg.rollout.group_size
+    trajs, pending, images = [], [], []
+    for part in (requests[:half], requests[half:]):
+        if not part:
+            continue
+        part_trajs = run.engine.generate(part)
+        part_images = run.task.decode(torch.stack([t.final_sample for t in part_trajs]).cpu())
+        pending.append(run.rewards.submit(part_images, [t.request.prompt for t in part_trajs]))
+        trajs += part_trajs
+        images.append(part_images)
+    images = torch.cat(images)
     prompts = [t.request.prompt for t in trajs]
-    images = run.task.decode(torch.stack([t.final_sample for t in trajs]).cpu())
-    pending = run.rewards.submit(images, prompts)  # scored in threads while the trainer re-scores log-probs
+    times["rollout_seconds"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     text = prompt_table(run, set(prompts) | ({t.request.negative_prompt for t in trajs} if cfg.rollout.guidance_scale > 1 else set()))
     check = logprob_consistency(run, trajs[: cfg.algorithm.logprob_check_samples], text)
-    scores = pending.result()
+    parts = [p.result() for p in pending]
+    scores = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
     times["reward_seconds"] = time.perf_counter() - t1
     if check["logprob_abs_diff"] > cfg.algorithm.logprob_warn_abs:
         print(f"warning: step {step}: rollout and trainer log-probs differ by {check['logprob_abs_diff']:.3g} on "
