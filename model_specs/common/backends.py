@@ -7,6 +7,7 @@ present, else "local".  One spec builder per block takes the result; no copied T
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,12 @@ class LinearBackend:
 
 
 def _te_linears() -> tuple[type, type] | None:
-    try:
-        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
-    except ImportError:
+    # megatron-core's TE extension module imports without TE too (it puts mock stand-ins in place of
+    # TE's classes), so ask for transformer_engine itself first.
+    if importlib.util.find_spec("transformer_engine") is None:
         return None
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
     return TEColumnParallelLinear, TERowParallelLinear
 
 
