@@ -88,7 +88,7 @@ def run_case(name: str, args, arch, state, trainer_model, load: str) -> dict:
                                   placement=placement, backend="nccl" if gpu else "gloo", timeout_s=args.timeout_s,
                                   bucket_bytes=bucket, device=str(state.torch_device), start_timeout_s=1800)
     try:
-        times, stats = [], {}
+        times, phases, stats = [], [], {}
         for i in range(args.repeats + 1):
             exporter = HFExporter(model, state.tp_group, mode="lora" if lora else "full", bucket_bytes=bucket)
             if gpu:
@@ -99,12 +99,30 @@ def run_case(name: str, args, arch, state, trainer_model, load: str) -> dict:
                 torch.cuda.synchronize()
             if i:  # the first sync is the warm-up (allocations, NCCL connections)
                 times.append(time.perf_counter() - t0)
+                phases.append(stats.get("seconds", {}))
         secs = statistics.median(times)
+        split = {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases and phases[0] else {}
+        split["export"] = _export_seconds(model, state, lora, bucket, gpu)
         label = name if not (name == "gpu2gpu" and not gpu) else "process (gloo)"
         return {"case": label, "load": load, "GB": stats["bytes"] / 1e9, "buckets": stats["buckets"],
-                "seconds": secs, "GB/s": stats["bytes"] / 1e9 / secs, "tensors": stats["tensors"]}
+                "seconds": secs, "GB/s": stats["bytes"] / 1e9 / secs, "tensors": stats["tensors"], "split": split}
     finally:
         engines.close()
+
+
+def _export_seconds(model, state, lora: bool, bucket: int, gpu: bool, repeats: int = 3) -> float:
+    """The exporter alone (gather, name, yield; nothing sent), median of ``repeats``: the part of a
+    sync's "stream" time that is the trainer's own work."""
+    times = []
+    for _ in range(repeats):
+        exporter = HFExporter(model, state.tp_group, mode="lora" if lora else "full", bucket_bytes=bucket)
+        t0 = time.perf_counter()
+        for _name, _t in exporter.tensors():
+            pass
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -154,12 +172,14 @@ def _print(rows: list[dict], args) -> None:
     title = (f"weight sync, {'tiny model, CPU (smoke)' if args.smoke else 'Qwen-Image 20.4 B'} {args.dtype}, "
              f"bucket {args.bucket_mb} MiB, median of {args.repeats} — {date.today()} {commit}")
     table = Table(title=title)
-    for col in ("case", "engine load", "GB", "tensors", "buckets", "s / sync", "GB/s"):
+    for col in ("case", "engine load", "GB", "tensors", "buckets", "s / sync", "GB/s", "metadata s", "stream s",
+                "finish s", "export alone s"):
         table.add_column(col, justify="right" if col not in ("case", "engine load") else "left")
     for r in rows:
+        split = [f"{r['split'][k]:.4f}" if k in r["split"] else "-" for k in ("metadata", "stream", "finish", "export")]
         table.add_row(r["case"], r["load"], f"{r['GB']:.4f}", str(r["tensors"]), str(r["buckets"]),
-                      f"{r['seconds']:.4f}", f"{r['GB/s']:.2f}")
-    Console().print(table)
+                      f"{r['seconds']:.4f}", f"{r['GB/s']:.2f}", *split)
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Channels (``GroupChannel`` here: a dedicated process group; ``colocated.SharedMe
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, Sequence
@@ -168,20 +169,27 @@ def send_weights(channel, src: int, n_senders: int, plan: Sequence[TensorMeta],
                  checksum: bool = False) -> dict:
     """The sender side of one sync for sender ``src`` of ``n_senders`` (one per pipeline stage).
     Every sender calls it at the same time; the streams go one after the other, in sender order."""
+    t0 = time.perf_counter()
     entries, total = layout(plan)
     metas = [channel.recv_obj(s, {"mode": mode, "bucket_bytes": bucket_bytes, "total": total,
                                   "entries": entries} if s == src else None) for s in range(n_senders)]
     _raise_if_failed(channel.exchange_status(""), "metadata")
+    t1 = time.perf_counter()
     sums = {}
     for s in range(n_senders):
         if s == src:
             sums = _stream_out(channel, src, entries, total, tensors, bucket_bytes, checksum)
         else:
             _relay_other(channel, s, metas[s])
+    t2 = time.perf_counter()
     for s in range(n_senders):
         channel.recv_obj(s, sums if s == src else None)
     _raise_if_failed(channel.exchange_status(""), "load / checksum")
-    return {"bytes": total, "tensors": len(entries), "buckets": -(-total // bucket_bytes)}
+    t3 = time.perf_counter()
+    # where a sync's time goes, seen from the sender: plan + metadata round, export + pack + send of the
+    # buckets (overlapped with the receiver unpacking), and the receiver finishing its load (+ checksums)
+    return {"bytes": total, "tensors": len(entries), "buckets": -(-total // bucket_bytes),
+            "seconds": {"metadata": t1 - t0, "stream": t2 - t1, "finish": t3 - t2}}
 
 
 def _relay_other(channel, src: int, meta: dict) -> None:
