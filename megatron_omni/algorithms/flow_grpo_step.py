@@ -20,9 +20,15 @@ tensor before ``backward`` (a 3-tuple ``(loss, num_tokens, metrics)`` is divided
 gradient is the mean over micro-batches of the per-micro-batch means: the mean over all B·M pairs when
 micro-batches are equally sized (the trainer's layout).  The metrics dict is appended unscaled, one per
 micro-batch, to the list the schedule returns.  The ×cp_size undoes DDP's averaging over the CP ranks,
-i.e. it expects each CP rank's loss to be its share of the total; our log-probs are means over a sample's
-whole latent, so CP > 1 needs the log-prob reduced over the CP group and this factor accounted for (not
-done here: CP = 1 on the local path).
+i.e. it expects each CP rank's loss to be its share of the total.  Under CP our model gathers the velocity
+over the CP group at its output with a backward that keeps only this rank's image chunk of the gradient
+(``megatron_omni.parallel.usp.gather_sequence``): every CP rank computes the whole-latent log-prob and the
+whole loss here, unchanged, and back-propagates exactly its chunk's share, so the ×cp_size and DDP's mean
+over data × context ranks give the true gradient (averaged over DP only).
+
+Under PP, ``forward_step`` runs on every stage with the same micro-batch (non-first stages take only the
+conditioning from it; the hidden state arrives through ``set_input_tensor``) and ``loss_func`` runs on the
+last stage; its metrics and ``collect_non_loss_data`` outputs exist there only.
 
 The model needs what megatron's schedules look up on it: ``config``, ``model_type`` and
 ``set_input_tensor`` (directly, or on a ``.module`` it wraps).  Inline reference forwards (``reference``)
@@ -137,11 +143,21 @@ def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | 
         output = model(*inputs)
         ref_out = None
         if config.kl_beta > 0:
+            _single_stage(model)
             with torch.no_grad(), reference(model) as ref_model:
                 ref_out = ref_model(*inputs)
         return output, partial(loss_func, mb, config, ref_out)
 
     return forward_step
+
+
+def _single_stage(model: torch.nn.Module) -> None:
+    """An inline reference forward needs the whole model on this rank (a pipeline stage would feed the
+    reference the policy's hidden state)."""
+    bare = getattr(model, "module", model)
+    if not (getattr(bare, "pre_process", True) and getattr(bare, "post_process", True)):
+        raise ValueError("kl_beta > 0 with an inline reference forward needs pipeline-parallel size 1; under "
+                         "PP precompute the reference means in a forward-only pass")
 
 
 __all__ = ["FlowGRPOMicroBatch", "ReferenceFn", "flow_grpo_forward_step", "guided_velocity", "loss_func",

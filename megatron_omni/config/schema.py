@@ -44,6 +44,26 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.vpp: {self.vpp} needs pipeline parallelism; expected "
                                   f"parallel.pp >= 2 (got {self.pp}) or vpp=null")
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP = world / (tp * cp * pp); raises when the world does not split into whole replicas."""
+        model_ranks = self.tp * self.cp * self.pp
+        if world_size < model_ranks or world_size % model_ranks:
+            raise ConfigError(f"parallel: world size {world_size} is not a multiple of tp*cp*pp = {self.tp}*{self.cp}*"
+                              f"{self.pp} = {model_ranks}; expected world = tp*cp*pp*dp")
+        return world_size // model_ranks
+
+    def check_image_tokens(self, image_tokens: int) -> None:
+        """USP splits the image/video tokens evenly over the CP ranks."""
+        if image_tokens % self.cp:
+            raise ConfigError(f"parallel.cp: {image_tokens} image tokens do not split over cp={self.cp}; expected "
+                              f"a resolution whose packed token count is a multiple of {self.cp}")
+
+    def check_microbatches(self, num_microbatches: int) -> None:
+        """The interleaved schedule runs micro-batches in groups of pp."""
+        if self.vpp is not None and num_microbatches < self.pp:
+            raise ConfigError(f"parallel.vpp: the interleaved schedule needs >= pp={self.pp} micro-batches per step, "
+                              f"got {num_microbatches}")
+
 
 @dataclass
 class ModelConfig:

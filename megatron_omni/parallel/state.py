@@ -20,6 +20,8 @@ import torch.distributed as dist
 from megatron_omni.parallel.cpu_compat import apply_cpu_compat
 from megatron_omni.parallel.device import DeviceSpec, select_device
 
+from megatron_omni.parallel.usp import ContextParallelGroups, new_context_parallel_groups
+
 if TYPE_CHECKING:  # megatron-core is imported lazily: it takes seconds
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -33,7 +35,8 @@ class ParallelState:
     """Where this rank sits in the (tp, cp, dp, pp) grid and the groups it talks through.
 
     ``dp`` excludes CP (megatron's ``get_data_parallel_group()``); ``pg_collection`` is megatron-core's
-    ``ProcessGroupCollection`` for APIs that take one (DDP, optimizer, schedules, GPTModel).
+    ``ProcessGroupCollection`` for APIs that take one (DDP, optimizer, schedules, GPTModel);
+    ``cp_groups`` splits the CP group into ulysses x ring for USP attention.
     """
 
     device: DeviceSpec
@@ -55,6 +58,12 @@ class ParallelState:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     pg_collection: ProcessGroupCollection
+    cp_groups: ContextParallelGroups
+    ulysses: int = 1
+
+    @property
+    def ring(self) -> int:
+        return self.cp // self.ulysses
 
 
 def free_port() -> int:
@@ -79,12 +88,14 @@ def _launch_env() -> tuple[int, int, int, str]:
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), "env://"
 
 
-def _check_sizes(world_size: int, tp: int, cp: int, pp: int, vpp: Optional[int]) -> None:
-    for name, value in (("tp", tp), ("cp", cp), ("pp", pp)):
+def _check_sizes(world_size: int, tp: int, cp: int, pp: int, vpp: Optional[int], ulysses: int = 1) -> None:
+    for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ulysses", ulysses)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if vpp is not None and (not isinstance(vpp, int) or vpp < 1):
         raise ValueError(f"vpp must be None or a positive int, got {vpp!r}")
+    if cp % ulysses:
+        raise ValueError(f"ulysses={ulysses} does not divide cp={cp}; expected a divisor (ring = cp / ulysses)")
     if world_size % (tp * cp * pp):
         raise ValueError(
             f"world size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp} = {tp * cp * pp}"
@@ -123,13 +134,15 @@ def init_parallel(
     seed: int = 1234,
     device: str = "auto",
     timeout_s: float = 600.0,
+    ulysses: int = 1,
 ) -> ParallelState:
     """Initialise torch.distributed (unless already up) and megatron's parallel groups; seed all RNGs.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as set by torchrun; with none of them
     set it runs as a single process.  ``seed`` feeds ``torch.manual_seed`` and megatron's
     ``model_parallel_cuda_manual_seed`` (the TP-rank-specific stream used inside
-    ``get_cuda_rng_tracker().fork()``).  ``timeout_s`` bounds every collective.
+    ``get_cuda_rng_tracker().fork()``).  ``timeout_s`` bounds every collective.  ``ulysses`` is the
+    Ulysses degree inside the CP group (ring degree = cp / ulysses).
     """
     spec = select_device(device)
     if dist.is_initialized():
@@ -137,7 +150,7 @@ def init_parallel(
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
     else:
         rank, world_size, local_rank, init_method = _launch_env()
-    _check_sizes(world_size, tp, cp, pp, vpp)
+    _check_sizes(world_size, tp, cp, pp, vpp, ulysses)
 
     # Imported only now: megatron-core takes seconds to import, the checks above do not need it.
     from megatron.core import parallel_state
@@ -157,10 +170,11 @@ def init_parallel(
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    return _describe(spec, local_rank, tp, cp, pp, vpp)
+    return _describe(spec, local_rank, tp, cp, pp, vpp, ulysses)
 
 
-def _describe(spec: DeviceSpec, local_rank: int, tp: int, cp: int, pp: int, vpp: Optional[int]) -> ParallelState:
+def _describe(spec: DeviceSpec, local_rank: int, tp: int, cp: int, pp: int, vpp: Optional[int],
+              ulysses: int) -> ParallelState:
     """Snapshot megatron's freshly built groups into a ParallelState."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -186,6 +200,8 @@ def _describe(spec: DeviceSpec, local_rank: int, tp: int, cp: int, pp: int, vpp:
         pp_group=pgs.pp,
         dp_group=pgs.dp,
         pg_collection=pgs,
+        cp_groups=new_context_parallel_groups(pgs.cp, ulysses),
+        ulysses=ulysses,
     )
 
 

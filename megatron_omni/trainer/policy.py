@@ -1,10 +1,15 @@
 """The trained model as megatron-core wants it: DDP-wrapped chunks, its optimizer, and one call that
-runs a list of micro-batches through ``forward_backward_func`` and steps the optimizer."""
+runs a list of micro-batches through ``forward_backward_func`` and steps the optimizer.
+
+Under pipeline parallelism a rank holds ``vpp or 1`` model chunks (virtual stages, megatron's chunk
+order: ``megatron_omni.parallel.pipeline.stage_layers``); under context parallelism every chunk splits
+the image tokens over the CP group with USP attention (``state.cp_groups``).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -15,51 +20,109 @@ from model_specs.qwen_image.config import QwenImageConfig
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
 from megatron_omni.parallel.cpu_compat import cuda_factories_on_cpu
+from megatron_omni.parallel.pipeline import stage_layers
 from megatron_omni.parallel.state import ParallelState
 
 
 @dataclass
 class Policy:
-    module: QwenImageModel  # the bare model (rollout export, LoRA, reference passes)
-    model: DistributedDataParallel  # what the schedule runs
+    module: QwenImageModel  # the bare model of the first chunk (rollout export, LoRA, reference passes)
+    model: DistributedDataParallel  # the first chunk as the schedule runs it
     optimizer: Any  # megatron-core MegatronOptimizer
     state: ParallelState
+    modules: list[QwenImageModel] = field(default_factory=list)  # every chunk of this rank, in order
+    models: list[DistributedDataParallel] = field(default_factory=list)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.state.pp_rank == self.state.pp - 1
+
+
+def policy_transformer_config(arch: QwenImageConfig, state: ParallelState, dtype: torch.dtype):
+    """The TransformerConfig of a policy at ``state``'s TP x CP x PP (x VPP) layout."""
+    config = arch.transformer_config(
+        state.tp, params_dtype=dtype, context_parallel_size=state.cp, pipeline_model_parallel_size=state.pp,
+        virtual_pipeline_model_parallel_size=state.vpp, pipeline_dtype=dtype,
+        # stage boundaries carry [S_T + S_I/cp, B, H] with S_T and B varying (CFG doubles B), so shapes
+        # travel with the tensors; megatron-core 0.19.2 wants the alltoall dispatcher for that, MoE or not
+        variable_seq_lengths=state.pp > 1, moe_token_dispatcher_type="alltoall",
+        # gloo pairs the sends and receives of one batch_isend_irecv by order, not by peer and role: in
+        # interleaved 1F1B a stage then reads another message (measured: zeros / the wrong chunk's input)
+        batch_p2p_comm=state.device.backend != "gloo")
+    config.has_cond_embedder = True  # finalize_model_grads sums the `pipeline_parallel` params over PP
+    config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=state.pg_collection)
+    return config
+
+
+def build_chunks(arch: QwenImageConfig, state: ParallelState, config, backend: str = "local",
+                 layout: Sequence[int] | None = None) -> list[QwenImageModel]:
+    """This rank's model chunks (one per virtual stage), blocks named by global index."""
+    vpp = state.vpp or 1
+    spec = qwen_image_block_spec(backend, context_parallel=state.cp > 1)
+    return [QwenImageModel(arch, config, state.tp_group, spec, cp_groups=state.cp_groups,
+                           pre_process=state.pp_rank == 0 and v == 0,
+                           post_process=state.pp_rank == state.pp - 1 and v == vpp - 1,
+                           layers=stage_layers(arch.num_layers, state.pp, state.pp_rank, state.vpp, v, layout))
+            for v in range(vpp)]
 
 
 def build_policy(arch: QwenImageConfig, state: ParallelState, *, lr: float, weight_decay: float = 0.0,
                  clip_grad: float = 1.0, dtype: torch.dtype = torch.float32, backend: str = "local",
-                 prepare: Callable[[QwenImageModel], None] | None = None) -> Policy:
-    """``prepare(module)`` runs before DDP wraps the model: load weights, attach LoRA, freeze params."""
-    config = arch.transformer_config(state.tp, params_dtype=dtype)
-    config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=state.pg_collection)
-    module = QwenImageModel(arch, config, state.tp_group, qwen_image_block_spec(backend)).to(state.torch_device)
-    if prepare is not None:
-        prepare(module)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module,
-                                  pg_collection=state.pg_collection)
+                 prepare: Callable[[QwenImageModel], None] | None = None,
+                 layout: Sequence[int] | None = None) -> Policy:
+    """``prepare(module)`` runs on every chunk before DDP wraps it: load weights, attach LoRA, freeze
+    params.  ``layout``: blocks per pipeline chunk (default: an even split)."""
+    config = policy_transformer_config(arch, state, dtype)
+    modules = [m.to(state.torch_device) for m in build_chunks(arch, state, config, backend, layout)]
+    ddps = []
+    for i, module in enumerate(modules):
+        if prepare is not None:
+            prepare(module)
+        ddps.append(DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module,
+                                            pg_collection=state.pg_collection, disable_bucketing=i > 0))
     opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                                  bf16=dtype == torch.bfloat16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.999)
     with cuda_factories_on_cpu():
-        optimizer = get_megatron_optimizer(opt_config, [ddp], pg_collection=state.pg_collection,
+        optimizer = get_megatron_optimizer(opt_config, ddps, pg_collection=state.pg_collection,
                                            use_gloo_process_groups=False)
-    return Policy(module=module, model=ddp, optimizer=optimizer, state=state)
+    return Policy(module=modules[0], model=ddps[0], optimizer=optimizer, state=state, modules=modules, models=ddps)
 
 
 def run_microbatches(policy: Policy, forward_step_func, microbatches: list, forward_only: bool = False,
-                     collect_non_loss_data: bool = False):
-    """One pass of megatron-core's schedule over ``microbatches`` (PP=1 here, any schedule later).
+                     collect_non_loss_data: bool = False, boundary_shape: tuple[int, int] | None = None):
+    """One pass of megatron-core's schedule over ``microbatches`` (no pipelining, 1F1B, or interleaved
+    1F1B when the state has vpp), then the optimizer step unless ``forward_only``.
 
-    Returns (per-micro-batch metric dicts, grad norm or None).  Gradients are the mean over
-    micro-batches: the schedule divides each returned loss by their number.  ``collect_non_loss_data``
-    (forward only) returns what ``loss_func(output, non_loss_data=True)`` gives, per micro-batch.
+    Returns (per-micro-batch metric dicts, grad norm or None).  Metrics exist on the last pipeline stage
+    only (other stages get []; ``megatron_omni.parallel.pipeline.broadcast_from_last_stage`` shares
+    them).  Gradients are the mean over micro-batches: the schedule divides each returned loss by their
+    number.  ``collect_non_loss_data`` (forward only) returns what ``loss_func(output, non_loss_data=True)``
+    gives, per micro-batch.  Every pipeline rank passes the same micro-batches: non-first stages read
+    only the conditioning (timesteps, text length and mask) from them.
+
+    ``boundary_shape`` = (S_T + S_I, rows per forward) when every micro-batch has that stage-boundary
+    shape: the schedule then sends tensors of a fixed shape; None exchanges shapes per message
+    (``variable_seq_lengths``, not with the interleaved schedule).
     """
+    models = policy.models or [policy.model]
+    config = policy.module.config
+    if policy.state.pp > 1:
+        config.variable_seq_lengths = boundary_shape is None
+    if len(models) > 1 and boundary_shape is None:
+        raise ValueError(f"interleaved pipeline (vpp={len(models)}) needs micro-batches of one stage-boundary shape "
+                         f"(megatron-core 0.19.2 exchanges shapes per message only without interleaving): pass "
+                         f"boundary_shape=(text + image tokens, rows per forward)")
+    seq_length, micro_batch_size = boundary_shape or (1, 1)
     if not forward_only:
-        policy.model.zero_grad_buffer()
+        for model in models:
+            model.zero_grad_buffer()
         policy.optimizer.zero_grad()
+    data = [iter(microbatches) for _ in models] if len(models) > 1 else iter(microbatches)
     with cuda_factories_on_cpu():
         metrics = get_forward_backward_func()(
-            forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=[policy.model],
-            num_microbatches=len(microbatches), seq_length=1, micro_batch_size=1, forward_only=forward_only,
+            forward_step_func=forward_step_func, data_iterator=data, model=models,
+            num_microbatches=len(microbatches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data)
         grad_norm = None
         if not forward_only:

@@ -30,7 +30,7 @@ class JointAttention(MegatronModule):
     """diffusers ``Attention`` + ``QwenDoubleStreamAttnProcessor2_0``: per-stream QKV, QK-norm, RoPE,
     one attention over [text; image], per-stream output projection.  Heads are split over TP."""
 
-    def __init__(self, config: TransformerConfig, submodules: JointAttentionSubmodules, tp_group):
+    def __init__(self, config: TransformerConfig, submodules: JointAttentionSubmodules, tp_group, cp_groups=None):
         super().__init__(config=config)
         hidden, self.head_dim = config.hidden_size, config.kv_channels
         self.local_heads = config.num_attention_heads // tp_group.size()
@@ -42,7 +42,7 @@ class JointAttention(MegatronModule):
         self.k_layernorm = build_module(submodules.k_layernorm, self.head_dim)
         self.added_q_layernorm = build_module(submodules.added_q_layernorm, self.head_dim)
         self.added_k_layernorm = build_module(submodules.added_k_layernorm, self.head_dim)
-        self.core_attention = build_module(submodules.core_attention)
+        self.core_attention = build_module(submodules.core_attention, cp_groups=cp_groups)
         self.linear_proj = build_module(submodules.linear_proj, hidden, hidden,
                                         **_linear_kwargs(config, tp_group, "proj", column=False))
         self.linear_added_proj = build_module(submodules.linear_added_proj, hidden, hidden,
@@ -60,7 +60,7 @@ class JointAttention(MegatronModule):
         qt, kt, vt = self._qkv(self.linear_added_qkv, self.added_q_layernorm, self.added_k_layernorm, txt_SBH,
                                cond.txt_freqs)
         out_SBND = self.core_attention(torch.cat([qt, qi]), torch.cat([kt, ki]), torch.cat([vt, vi]),
-                                       cond.attn_mask_B11S)
+                                       cond.attn_mask_B11S, text_len=cond.text_len)
         txt_out, _ = self.linear_added_proj(out_SBND[: cond.text_len])
         img_out, _ = self.linear_proj(out_SBND[cond.text_len:])
         return img_out, txt_out
@@ -75,7 +75,7 @@ class QwenImageBlock(MegatronModule):
     gated residuals, per-stream GELU-tanh MLPs."""
 
     def __init__(self, config: TransformerConfig, submodules: QwenImageBlockSubmodules, layer_number: int,
-                 tp_group, backend: str = "local"):
+                 tp_group, backend: str = "local", cp_groups=None):
         super().__init__(config=config)
         self.layer_number = layer_number
         hidden = config.hidden_size
@@ -86,7 +86,7 @@ class QwenImageBlock(MegatronModule):
         self.txt_mod = build_module(submodules.txt_mod, hidden, 6 * hidden, **mod_kw)
         self.img_norm1 = build_module(submodules.img_norm1, hidden)
         self.txt_norm1 = build_module(submodules.txt_norm1, hidden)
-        self.attention = build_module(submodules.attention, config=config, tp_group=tp_group)
+        self.attention = build_module(submodules.attention, config=config, tp_group=tp_group, cp_groups=cp_groups)
         self.img_norm2 = build_module(submodules.img_norm2, hidden)
         self.txt_norm2 = build_module(submodules.txt_norm2, hidden)
         mlp_kw = dict(config=config, ffn_hidden_size=config.ffn_hidden_size, tp_group=tp_group)

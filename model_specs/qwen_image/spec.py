@@ -16,6 +16,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_omni.parallel.attention import JointSDPACoreAttention
+from megatron_omni.parallel.usp import USPJointCoreAttention
 from model_specs.common.backends import linear_backend
 
 NORM_EPS = 1e-6
@@ -51,7 +52,8 @@ class QwenImageBlockSubmodules:
     txt_mlp: ModuleSpec
 
 
-def qwen_image_block_spec(backend: str = "auto") -> ModuleSpec:
+def qwen_image_block_spec(backend: str = "auto", context_parallel: bool = False) -> ModuleSpec:
+    """``context_parallel``: USP core attention (image tokens split over the CP group) instead of SDPA."""
     from model_specs.qwen_image.layers import JointAttention, QwenImageBlock
 
     linears = linear_backend(backend)
@@ -63,7 +65,7 @@ def qwen_image_block_spec(backend: str = "auto") -> ModuleSpec:
         submodules=JointAttentionSubmodules(
             linear_qkv=linears.column, linear_added_qkv=linears.column,
             q_layernorm=head_norm, k_layernorm=head_norm, added_q_layernorm=head_norm, added_k_layernorm=head_norm,
-            core_attention=JointSDPACoreAttention,
+            core_attention=USPJointCoreAttention if context_parallel else JointSDPACoreAttention,
             linear_proj=linears.row, linear_added_proj=linears.row,
         ),
     )
