@@ -17,9 +17,19 @@ def check_task_fits(cfg: RunConfig, task: Task) -> None:
                          f"model.arch.joint_attention_dim={arch.joint_attention_dim} to match")
 
 
+def check_loop_layout(cfg: RunConfig) -> None:
+    """The loss, schedules and attention run under PP and CP (tests/qwen_image/test_pp.py,
+    tests/parallel/test_usp.py); the loop's rollout and weight export do not yet."""
+    p = cfg.parallel
+    if p.pp > 1 or p.cp > 1:
+        raise ValueError(f"parallel.pp={p.pp}, parallel.cp={p.cp}: the FlowGRPO loop runs at pp=1 and cp=1 today "
+                         f"(its rollout engine and weight export gather TP shards only); expected pp=1 and cp=1")
+
+
 def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
     from megatron_omni.trainer.flow_grpo import train
 
+    check_loop_layout(cfg)
     state = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, seed=cfg.train.seed,
                           device=cfg.parallel.device)
     try:
