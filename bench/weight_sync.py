@@ -64,10 +64,7 @@ def _model(arch: QwenImageConfig, dtype, device, tp_group, lora_rank: int, rando
 
 def engine_factory(arch: QwenImageConfig, dtype_name: str, gpu: int | None, lora_rank: int, sink: bool,
                    index: int) -> EmbeddedEngine:
-    import os
-
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before CUDA starts in this process: cuda:0 is that GPU
+    # on a GPU, spawn() has set CUDA_VISIBLE_DEVICES to the engine's GPU: cuda:0 here is that GPU
     state = init_parallel(device="cuda" if gpu is not None else "cpu")
     device = "meta" if sink else str(state.torch_device)
     model = _model(arch, DTYPES[dtype_name], device, state.tp_group, lora_rank, random=False)
@@ -86,7 +83,8 @@ def run_case(name: str, args, arch, state, trainer_model, load: str) -> dict:
     engines = RemoteEngines.spawn(partial(engine_factory, arch, args.dtype, engine_gpu if gpu else None, lora,
                                           load == "none"),
                                   placement=placement, backend="nccl" if gpu else "gloo", timeout_s=args.timeout_s,
-                                  bucket_bytes=bucket, device=str(state.torch_device), start_timeout_s=1800)
+                                  bucket_bytes=bucket, device=str(state.torch_device), start_timeout_s=1800,
+                                  child_env={"CUDA_VISIBLE_DEVICES": str(engine_gpu)} if gpu else None)
     try:
         times, phases, stats = [], [], {}
         for i in range(args.repeats + 1):

@@ -108,7 +108,10 @@ class RemoteEngines:
     @classmethod
     def spawn(cls, factory: Callable, n: int = 1, placement: str = "process", backend: str = "gloo",
               timeout_s: float = 60.0, bucket_bytes: int = 1 << 30, device: str = "cpu",
-              start_timeout_s: float = 300.0, n_senders: int = 1) -> "RemoteEngines":
+              start_timeout_s: float = 300.0, n_senders: int = 1,
+              child_env: dict[str, str] | None = None) -> "RemoteEngines":
+        """``child_env`` is set in the engine processes before anything in them starts CUDA, e.g.
+        ``{"CUDA_VISIBLE_DEVICES": "1"}`` to put an engine on another GPU than the trainer's."""
         if placement not in ("process", "colocated"):
             raise ValueError(f"engine placement {placement!r} is not one of ['process', 'colocated']")
         if placement == "colocated" and (n, n_senders) != (1, 1):
@@ -116,7 +119,7 @@ class RemoteEngines:
                              f"n_senders={n_senders}")
         ctx = mp.get_context("spawn")
         spec = ChannelSpec(placement, backend, "127.0.0.1", free_port(), n_senders + n, timeout_s, device, n_senders)
-        env = {"OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
+        env = {"OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}), **(child_env or {})}
         buffers = shared_buffers(bucket_bytes, device) if placement == "colocated" else None
         shm = ctx.Pipe() if placement == "colocated" else (None, None)
         procs, conns = [], []
