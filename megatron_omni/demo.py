@@ -84,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.resume:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     state = init_parallel(seed=cfg.train.seed, device=cfg.parallel.device)
     task = build_task(cfg.data.task, cfg.data.text_max_tokens)
     judges = {"reward": build_reward(cfg.reward.name), "judge": build_reward(cfg.reward.judge)}

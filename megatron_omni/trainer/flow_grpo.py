@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from checkpoints_convert.convert import hf_state_from_mcore, mcore_state_from_hf
+from checkpoints_convert.convert import mcore_state_from_hf
 from checkpoints_convert.hf_folder import HFFolder
 from checkpoints_convert.mcore_checkpoint import load_model
 from checkpoints_convert.qwen_image import qwen_image_rules
