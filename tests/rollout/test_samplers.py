@@ -96,12 +96,14 @@ def _float64_mean_std(kind, x, v, t, tn, a, sigma_1):
     return x + dt * v - 0.5 * a ** 2 * score * dt, a * math.sqrt(-dt)
 
 
-@pytest.mark.parametrize("kind, form", [("sde", "gaussian"), ("cps", "gaussian"), ("cps", "simple"),
-                                        ("dance", "gaussian")])
-@pytest.mark.parametrize("step", [0, 4, 9])
+# CPS's last step has std 0, so it has no Gaussian log-prob: that one combination is left out
+LOG_PROB_CASES = [(kind, form, step) for kind, form in (("sde", "gaussian"), ("cps", "gaussian"), ("cps", "simple"),
+                                                      ("dance", "gaussian"))
+                  for step in (0, 4, 9) if not (kind, form, step) == ("cps", "gaussian", 9)]
+
+
+@pytest.mark.parametrize("kind, form, step", LOG_PROB_CASES)
 def test_log_prob_matches_an_independent_float64_gaussian(kind, form, step):
-    if kind == "cps" and form == "gaussian" and step == 9:
-        pytest.skip("CPS's last step has std 0: no Gaussian log-prob")
     x, v, z = _random_step(seed=step)
     sig, a = sigmas(10, shift=2.0), 0.8
     mean, std = step_mean_std(kind, x, v, sig[step], sig[step + 1], a, sig[1])
