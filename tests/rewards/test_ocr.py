@@ -35,8 +35,8 @@ def ocr():
 @pytest.fixture(scope="module")
 def prompts():
     """Every 50th prompt of Flow-GRPO's OCR test set (21 of 1,017): short to long texts, digits, punctuation."""
-    if not PROMPTS.is_file():
-        pytest.skip(f"{PROMPTS} not present (the shared OCR prompt set)")
+    # the shared prompt set lies beside every checkout (and CI's clone): its absence is a failure, not a skip
+    assert PROMPTS.is_file(), f"{PROMPTS} is missing: expected the shared OCR prompt set beside the checkout"
     return PROMPTS.read_text(encoding="utf-8").splitlines()[::50]
 
 
