@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                        img_shapes=[[IMG_FHW]] * img.shape[0]).sample
     with console.status(f"forward at TP={args.tp} on {args.tp} gloo ranks"):
         out_tp = run_distributed(_megatron_forward, args.tp, args=(str(out / "mcore"),), parallel={"tp": args.tp})[0]
-    init_parallel(device="cpu")
+    state = init_parallel(device="cpu")
     try:
-        out_tp1 = _megatron_forward_tp1(out / "mcore")
+        out_tp1 = _megatron_forward(state, str(out / "mcore"))
     finally:
         destroy_parallel()
     console.print("[3/4] forward parity checked at TP=1 and TP=%d" % args.tp)
@@ -114,16 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     ok = exact == len(a.keys()) and max(summary["rel_err_tp1_vs_diffusers"],
                                         summary[f"rel_err_tp{args.tp}_vs_diffusers"]) <= 1e-5
     return 0 if ok else 1
-
-
-def _megatron_forward_tp1(ckpt: Path):
-    from megatron.core import parallel_state
-
-    class _TP1:  # the shape of ParallelState that _megatron_forward reads
-        tp = 1
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-
-    return _megatron_forward(_TP1, str(ckpt))
 
 
 if __name__ == "__main__":
