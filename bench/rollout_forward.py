@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import time
 
 import torch
 
@@ -46,7 +47,7 @@ def _inputs(arch: QwenImageConfig, batch: int):
             torch.rand(batch, device="cuda", generator=g))
 
 
-def ours(arch, batches, repeats):
+def ours(arch, batches, repeats, compile_mode=None):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from model_specs.qwen_image.model import QwenImageModel
     from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -55,10 +56,20 @@ def ours(arch, batches, repeats):
     cfg = arch.transformer_config(1, params_dtype=torch.bfloat16, use_cpu_initialization=False)
     model = QwenImageModel(arch, cfg, state.tp_group, qwen_image_block_spec("local")).cuda().eval()
     out = {}
+    if compile_mode:
+        # one compiled graph per block shape: the 60 blocks share it (parameters are graph inputs)
+        for block in model.blocks:
+            block.compile(mode=compile_mode, dynamic=False)
     with torch.no_grad():
         for b in batches:
             img, txt, sigma = _inputs(arch, b)
+            t0 = time.perf_counter()
+            model(img, txt, sigma, FHW, None)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
             out[b] = _time(lambda: model(img, txt, sigma, FHW, None), repeats)
+            print(f"ours{' compiled ' + compile_mode if compile_mode else ''} batch {b}: first call {first:.1f} s, "
+                  f"{out[b]:.1f} ms", flush=True)
     del model
     destroy_parallel()
     return out
@@ -91,18 +102,26 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--layers", type=int, default=60, help="blocks (60 = full size)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compile", nargs="*", default=[], metavar="MODE",
+                   help="also time ours with every block under torch.compile(mode=MODE), e.g. default max-autotune-no-cudagraphs")
+    p.add_argument("--no-reference", action="store_true", help="skip diffusers")
     args = p.parse_args()
     arch = QwenImageConfig(num_layers=args.layers)
     results = {"megatron-omni": ours(arch, args.batches, args.repeats)}
+    for mode in args.compile:
+        gc.collect()
+        torch.cuda.empty_cache()
+        results[f"ours+{mode}"] = ours(arch, args.batches, args.repeats, mode)
     gc.collect()
     torch.cuda.empty_cache()
-    results["diffusers"] = reference(arch, args.batches, args.repeats)
+    if not args.no_reference:
+        results["diffusers"] = reference(arch, args.batches, args.repeats)
     print(f"\n{torch.cuda.get_device_name()}, {args.layers} blocks, bf16, 512x512 + {TEXT} text tokens, eager")
-    print(f"{'model':<14} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
+    print(f"{'model':<30} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
     for name, rows in results.items():
         for b, ms in rows.items():
             flops = forward_flops(arch, b, FHW[0] * FHW[1] * FHW[2], TEXT)
-            print(f"{name:<14} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
+            print(f"{name:<30} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
                   f"{flops / ms / 1e9 / (PEAK / 1e12):>6.1%}")
 
 

@@ -24,8 +24,8 @@ class QwenImageConditioning:
     """What every block needs besides the hidden states; travels explicitly, never via attention_mask.
 
     temb_BH:       timestep embedding, [B, hidden] (input of every adaLN modulation).
-    txt_freqs:     complex RoPE factors for text tokens, [S_T, D/2].
-    img_freqs:     complex RoPE factors for image tokens, [S_I, D/2].
+    txt_freqs:     RoPE (cos, sin) for text tokens, float32 [S_T, D/2, 2].
+    img_freqs:     RoPE (cos, sin) for image tokens, float32 [S_I, D/2, 2].
     attn_mask_B11S: bool, True = attend; None when no text token is padding (lets SDPA pick flash).
     text_len:      S_T; the joint hidden state is cat([text, image]) along the sequence.
     """
@@ -72,11 +72,18 @@ def rope_freqs(img_fhw: tuple[int, int, int], text_len: int, axes_dims: tuple[in
                theta: int = 10000, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen-Image 3-D RoPE (``scale_rope=True``): image positions centred on the grid, text after it.
 
-    Returns (img_freqs [F*H*W, D/2], txt_freqs [S_T, D/2]), complex64 on ``device``.
+    Returns (img_freqs [F*H*W, D/2, 2], txt_freqs [S_T, D/2, 2]): float32 (cos, sin) on ``device``,
+    cached per shape and device, so a denoising loop builds them once and copies nothing per step.
+    (Real rather than complex: torch.compile's inductor generates no code for complex tensors.)
     Height and width run from -(n - n//2) to n//2 - 1 so the grid is centred on 0; text tokens take
     positions max(H//2, W//2) ... on all three axes, i.e. just past the image's largest index.
     """
-    frames, height, width = (int(v) for v in img_fhw)
+    return _rope_freqs(tuple(int(v) for v in img_fhw), int(text_len), tuple(axes_dims), theta, torch.device(device))
+
+
+@lru_cache(maxsize=32)
+def _rope_freqs(img_fhw, text_len, axes_dims, theta, device):
+    frames, height, width = img_fhw
     if max(height, width, frames) > ROPE_TABLE_LEN or text_len + max(height // 2, width // 2) > ROPE_TABLE_LEN:
         raise ValueError(f"image grid {img_fhw} with {text_len} text tokens exceeds the RoPE table of "
                          f"{ROPE_TABLE_LEN} positions")
@@ -92,14 +99,16 @@ def rope_freqs(img_fhw: tuple[int, int, int], text_len: int, axes_dims: tuple[in
     img = torch.cat([f_FHWd, h_FHWd, w_FHWd], dim=-1).reshape(frames * height * width, -1)
     start = max(height // 2, width // 2)
     txt = pos_t[start: start + text_len]
-    return img.to(device), txt.to(device)
+    return torch.view_as_real(img).to(device), torch.view_as_real(txt).to(device)
 
 
 def apply_rope(x_SBND: torch.Tensor, freqs_SD2: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs (2i, 2i+1) of q or k by complex factors, in float32."""
+    """Rotate adjacent channel pairs (2i, 2i+1) of q or k by (cos, sin) [S, D/2, 2], in float32:
+    (a, b) -> (a cos - b sin, a sin + b cos), the complex product diffusers computes."""
     s, b, n, d = x_SBND.shape
-    x_c = torch.view_as_complex(x_SBND.float().reshape(s, b, n, d // 2, 2))
-    out = torch.view_as_real(x_c * freqs_SD2[:, None, None, :]).flatten(3)
+    a, b_ = x_SBND.float().reshape(s, b, n, d // 2, 2).unbind(-1)
+    cos, sin = freqs_SD2[:, None, None, :, 0], freqs_SD2[:, None, None, :, 1]
+    out = torch.stack([a * cos - b_ * sin, a * sin + b_ * cos], dim=-1).flatten(3)
     return out.type_as(x_SBND)
 
 
