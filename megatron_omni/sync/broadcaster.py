@@ -1,11 +1,17 @@
 """Bucketed weight sync, trainer -> rollout engines.  Protocol of one sync, in one line:
-pause engines -> metadata (names / shapes / dtypes / offsets, once) -> every side validates -> byte
-buckets -> engines load -> optional checksums -> status -> resume.
+pause engines -> metadata (the plan: names / shapes / dtypes / offsets; its digest alone when unchanged)
+-> every side validates -> byte buckets -> engines load -> optional checksums -> status -> resume.
 
-The tensors of a sync form one byte stream (each tensor at a 64-byte aligned offset).  The stream is
-cut into buckets of ``bucket_bytes``; a tensor that straddles a bucket boundary (or is larger than a
-bucket) is simply chunked.  The sender packs bucket k + 1 into its second buffer while bucket k is
-still in flight (double buffering); a receiver posts the receive of bucket k + 1 before unpacking k.
+The tensors of a sync form one byte stream (``stream.StreamPlan``: each tensor at a 64-byte aligned
+offset, cut into buckets of ``bucket_bytes``, a tensor crossing a boundary chunked).  The sender packs
+bucket k + 1 into its second buffer while bucket k is still in flight (double buffering), one fused
+copy per bucket; a receiver posts the receive of bucket k + 1 before unpacking k.
+
+The plan is sent once: every rank of a channel keeps the last plan of each sender (``PlanCache``), and
+a sender whose plan is unchanged since the last successful metadata round sends only its digest
+(xxh3-128 of the entries, mode and bucket size).  A receiver that does not hold that digest refuses
+the sync naming it, and the sender then forgets what it sent, so the next sync carries the plan in
+full again; so does any changed plan.
 
 Any side's error (unknown name, wrong shape, load failure, checksum mismatch) is exchanged in the
 status rounds, so every side raises the same ``SyncError`` naming the tensor.  Names and shapes are
@@ -20,9 +26,9 @@ Channels (``GroupChannel`` here: a dedicated process group; ``colocated.SharedMe
 """
 from __future__ import annotations
 
+import itertools
 import pickle
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -30,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_omni.sync.exporter import TensorMeta
+from megatron_omni.sync.stream import BucketWriter, StreamPlan, buckets_in, unpack
 
-ALIGN = 64  # byte alignment of every tensor in the stream: a view of any dtype starts aligned
 STATUS_BYTES = 1024  # per-rank status message in the status round
 
 
@@ -39,18 +45,36 @@ class SyncError(RuntimeError):
     """A weight sync was refused or failed; the message names the tensor or the peer."""
 
 
-@dataclass(frozen=True)
-class Entry:
-    meta: TensorMeta
-    offset: int  # byte offset in the stream
+class PlanCache:
+    """Per channel, on every rank: the last plan of each sender.  ``known[s]`` is what every rank holds
+    for sender s; the sender itself records its plan there only once a metadata round accepted it."""
 
+    def __init__(self):
+        self.known: dict[int, StreamPlan] = {}
+        self._built: dict[int, tuple[list, StreamPlan]] = {}  # src -> (a copy of the plan, its StreamPlan)
+        self._combined: tuple[tuple[str, ...], tuple[TensorMeta, ...]] = ((), ())
 
-def layout(plan: Sequence[TensorMeta]) -> tuple[list[Entry], int]:
-    entries, pos = [], 0
-    for meta in plan:
-        entries.append(Entry(meta, pos))
-        pos += -(-meta.nbytes // ALIGN) * ALIGN
-    return entries, pos
+    def build(self, src: int, plan: Sequence[TensorMeta], mode: str, bucket_bytes: int) -> StreamPlan:
+        """The sender's StreamPlan, rebuilt only when ``plan`` differs from last time.  The comparison is
+        by value, but items that are the very same objects compare by identity at once, and
+        ``HFExporter.plan`` hands out the same ``TensorMeta`` objects while nothing changed."""
+        last = self._built.get(src)
+        if last is not None and (last[1].mode, last[1].bucket_bytes) == (mode, bucket_bytes) and last[0] == plan:
+            return last[1]
+        built = StreamPlan.build(plan, mode, bucket_bytes)
+        held = self.known.get(src)
+        if held is not None and held.digest == built.digest:
+            built = held  # the same stream: keep its computed views
+        self._built[src] = (list(plan), built)
+        return built
+
+    def combined(self, plans: list[StreamPlan]) -> tuple[TensorMeta, ...]:
+        """Every sender's tensors in order; the same tuple while the digests are unchanged (so a
+        receiver's ``check`` may cache its verdict by identity)."""
+        digests = tuple(p.digest for p in plans)
+        if self._combined[0] != digests:
+            self._combined = (digests, tuple(e.meta for p in plans for e in p.entries))
+        return self._combined[1]
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -59,10 +83,6 @@ def tensor_checksum(t: torch.Tensor) -> str:
 
     data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
     return xxhash.xxh3_64_hexdigest(data)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 # ---- the dedicated process group -------------------------------------------------------------------
@@ -80,6 +100,7 @@ class GroupChannel:
         self.pg = _make_group(backend, dist.PrefixStore(prefix + "/", self.store), rank, world_size, timeout)
         self._buffers: list[torch.Tensor] = []
         self._work: list = [None, None]
+        self.plans = PlanCache()
 
     def _bcast(self, tensor: torch.Tensor, src: int):
         opts = dist.BroadcastOptions()
@@ -156,7 +177,7 @@ def _wait(work, what: str) -> None:
                         f"died or timed out") from None
 
 
-# ---- sender ---------------------------------------------------------------------------------------------
+# ---- metadata ---------------------------------------------------------------------------------------
 
 def _raise_if_failed(statuses: list[str], stage: str) -> None:
     bad = [(r, s) for r, s in enumerate(statuses) if s]
@@ -164,133 +185,149 @@ def _raise_if_failed(statuses: list[str], stage: str) -> None:
         raise SyncError(f"weight sync refused at {stage}: " + "; ".join(f"sync rank {r}: {s}" for r, s in bad))
 
 
+def _exchange_plans(channel, n_senders: int, src: int | None, mine: StreamPlan | None = None
+                    ) -> tuple[list[StreamPlan | None], str]:
+    """Every sender's plan on every rank (``src`` is this rank's sender index, None on engines): in full
+    when new, else its digest alone.  Returns the plans and '' or an error naming an unknown digest."""
+    cache, plans, error = channel.plans, [], ""
+    for s in range(n_senders):
+        out = None
+        if s == src:
+            held = cache.known.get(s)
+            out = {"digest": mine.digest} if held is not None and held.digest == mine.digest else mine.message()
+        msg = channel.recv_obj(s, out)
+        if s == src:
+            plans.append(mine)
+            continue
+        if "entries" in msg:
+            cache.known[s] = StreamPlan.from_message(msg)
+        held = cache.known.get(s)
+        if held is None or held.digest != msg["digest"]:
+            error = error or (f"sync rank {s} sent plan digest {msg['digest']}, which this rank does not hold (it "
+                              f"holds {held.digest if held else 'none'}); the next sync carries the plan in full")
+            held = None
+        plans.append(held)
+    return plans, error
+
+
+# ---- sender ---------------------------------------------------------------------------------------------
+
 def send_weights(channel, src: int, n_senders: int, plan: Sequence[TensorMeta],
                  tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, mode: str,
                  checksum: bool = False) -> dict:
     """The sender side of one sync for sender ``src`` of ``n_senders`` (one per pipeline stage).
     Every sender calls it at the same time; the streams go one after the other, in sender order."""
     t0 = time.perf_counter()
-    entries, total = layout(plan)
-    metas = [channel.recv_obj(s, {"mode": mode, "bucket_bytes": bucket_bytes, "total": total,
-                                  "entries": entries} if s == src else None) for s in range(n_senders)]
-    _raise_if_failed(channel.exchange_status(""), "metadata")
+    mine = channel.plans.build(src, plan, mode, bucket_bytes)
+    sent_in_full = channel.plans.known.get(src) is not mine
+    plans, error = _exchange_plans(channel, n_senders, src, mine)
+    try:
+        _raise_if_failed(channel.exchange_status(error), "metadata")
+    except SyncError:
+        channel.plans.known.pop(src, None)  # whatever the receivers hold now, the next sync sends in full
+        raise
+    channel.plans.known[src] = mine
     t1 = time.perf_counter()
     sums = {}
     for s in range(n_senders):
         if s == src:
-            sums = _stream_out(channel, src, entries, total, tensors, bucket_bytes, checksum)
+            sums = _stream_out(channel, src, mine, tensors, checksum)
         else:
-            _relay_other(channel, s, metas[s])
+            _relay_other(channel, s, plans[s])
     t2 = time.perf_counter()
     for s in range(n_senders):
         channel.recv_obj(s, sums if s == src else None)
     _raise_if_failed(channel.exchange_status(""), "load / checksum")
     t3 = time.perf_counter()
-    # where a sync's time goes, seen from the sender: plan + metadata round, export + pack + send of the
-    # buckets (overlapped with the receiver unpacking), and the receiver finishing its load (+ checksums)
-    return {"bytes": total, "tensors": len(entries), "buckets": -(-total // bucket_bytes),
+    # where a sync's time goes, seen from the sender: plan + metadata round; export + pack + send of the
+    # buckets (overlapped with the receivers copying out of them); the receivers finishing their load
+    # (+ checksums) and the status round
+    return {"bytes": mine.total, "tensors": len(mine.entries), "buckets": mine.n_buckets,
+            "plan": "full" if sent_in_full else "digest",
             "seconds": {"metadata": t1 - t0, "stream": t2 - t1, "finish": t3 - t2}}
 
 
-def _relay_other(channel, src: int, meta: dict) -> None:
+def _relay_other(channel, src: int, plan: StreamPlan) -> None:
     """A sender takes part in another sender's broadcasts (a group collective) without using them."""
-    for _ in _buckets_in(channel, src, meta["total"], meta["bucket_bytes"]):
+    for _ in buckets_in(channel, src, plan):
         pass
 
 
-def _stream_out(channel, src, entries, total, tensors, bucket_bytes, checksum) -> dict[str, str]:
-    bufs = channel.bucket_buffers(bucket_bytes)
-    sums, k, it = {}, 0, iter(tensors)
-    for entry in entries:
+def _stream_out(channel, src: int, plan: StreamPlan, tensors, checksum: bool) -> dict[str, str]:
+    writer = BucketWriter(channel, src, plan)
+    sums, it = {}, iter(tensors)
+    for i, entry in enumerate(plan.entries):
         name, t = next(it, (None, None))
         meta = entry.meta
-        if name != meta.name or tuple(t.shape) != meta.shape or t.dtype != meta.dtype:
+        if name != meta.name or t.dtype != meta.dtype or t.shape != meta.shape:
             got = "nothing" if name is None else f"{name!r} {tuple(t.shape)} {t.dtype}"
             raise SyncError(f"exporter yielded {got}; its plan said {meta.name!r} {meta.shape} {meta.dtype}")
         if checksum:
             sums[name] = tensor_checksum(t)
-        data, pos = _bytes(t), entry.offset
-        while data.numel():
-            while pos >= (k + 1) * bucket_bytes:  # bucket k is full: send it, switch buffers
-                channel.send_bucket(k % 2, bucket_bytes, src)
-                k += 1
-                channel.wait_slot(k % 2)
-            start = pos - k * bucket_bytes
-            n = min(data.numel(), bucket_bytes - start)
-            bufs[k % 2][start:start + n].copy_(data[:n], non_blocking=True)
-            data, pos = data[n:], pos + n
-    n_buckets = -(-total // bucket_bytes)
-    while k < n_buckets:
-        channel.send_bucket(k % 2, min(bucket_bytes, total - k * bucket_bytes), src)
-        k += 1
-    channel.wait_slot(0)
-    channel.wait_slot(1)
+        writer.add(i, t)
+    writer.close()
     return sums
 
 
 # ---- receiver -------------------------------------------------------------------------------------------
 
-def _buckets_in(channel, src: int, total: int, bucket_bytes: int) -> Iterator[torch.Tensor]:
-    """Bucket k as a uint8 view, valid until the next one is asked for; receive of k + 1 is posted first."""
-    n = -(-total // bucket_bytes)
-    bufs = channel.bucket_buffers(bucket_bytes)
-    size = lambda k: min(bucket_bytes, total - k * bucket_bytes)  # noqa: E731
-    if n:
-        channel.recv_bucket(0, size(0), src)
-    for k in range(n):
-        channel.wait_slot(k % 2)
-        if k + 1 < n:
-            channel.recv_bucket((k + 1) % 2, size(k + 1), src)
-        yield bufs[k % 2][:size(k)]
-    channel.end_stream()
+class Incoming:
+    """The tensors of one sync as the receiver's ``load`` gets them, consumed once, one of two ways.
+    Iterating gives (HF name, tensor) pairs in plan order, what ``engine.load_weights`` takes (a pair is
+    valid until the next is asked for).  A loader with precomputed views takes ``buckets()`` instead:
+    (sender index, k, uint8 view of that sender's bucket k) in order, each valid until the next; ``views(s)``
+    are sender s's per-entry typed views into the bucket buffers (``StreamPlan.views``)."""
+
+    def __init__(self, channel, plans: list[StreamPlan]):
+        self.channel, self.plans = channel, plans
+        self.mode, self.digests = plans[0].mode, tuple(p.digest for p in plans)
+        self._buckets = self._all_buckets()
+
+    def _all_buckets(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for s, plan in enumerate(self.plans):
+            for k, buf in enumerate(buckets_in(self.channel, s, plan)):
+                yield s, k, buf
+
+    def buckets(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        return self._buckets
+
+    def views(self, s: int) -> list[torch.Tensor | None]:
+        plan = self.plans[s]
+        return plan.views(self.channel.bucket_buffers(plan.bucket_bytes))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for s, group in itertools.groupby(self._buckets, key=lambda b: b[0]):
+            yield from unpack(self.plans[s], self.views(s), ((k, buf) for _, k, buf in group))
+
+    def drain(self) -> None:
+        """Receive what is left (the protocol stays in step after a failed load)."""
+        for _ in self._buckets:
+            pass
 
 
-def _unpack(channel, src: int, meta: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) out of the buckets; a tensor inside one bucket is a view, a straddling one is
-    assembled in its own buffer.  Consumers copy a view before asking for the next pair."""
-    bucket_bytes, entries = meta["bucket_bytes"], meta["entries"]
-    i, partial = 0, None
-    for k, buf in enumerate(_buckets_in(channel, src, meta["total"], bucket_bytes)):
-        lo, hi = k * bucket_bytes, k * bucket_bytes + buf.numel()
-        while i < len(entries):
-            e = entries[i]
-            start, end = e.offset, e.offset + e.meta.nbytes
-            if start >= hi:
-                break
-            if start >= lo and end <= hi and partial is None:
-                yield e.meta.name, buf[start - lo:end - lo].view(e.meta.dtype).view(e.meta.shape)
-                i += 1
-                continue
-            if partial is None:
-                partial = torch.empty(e.meta.nbytes, dtype=torch.uint8, device=buf.device)
-            a, b = max(start, lo), min(end, hi)
-            partial[a - start:b - start].copy_(buf[a - lo:b - lo])
-            if end > hi:
-                break
-            yield e.meta.name, partial.view(e.meta.dtype).view(e.meta.shape)
-            partial, i = None, i + 1
-
-
-def receive_weights(channel, n_senders: int, check: Callable[[str, list[TensorMeta]], str],
-                    load: Callable[[Iterable[tuple[str, torch.Tensor]]], None],
+def receive_weights(channel, n_senders: int, check: Callable[[str, Sequence[TensorMeta]], str],
+                    load: Callable[[Incoming], None],
                     held: Callable[[str], dict[str, torch.Tensor]] | None = None) -> dict:
-    """The engine side of one sync.  ``check(mode, plan)`` returns '' or an error naming the tensor;
-    ``load(pairs)`` is ``engine.load_weights`` (all-or-nothing); ``held(mode)`` gives the engine's
-    tensors after the load under the sent names, for the checksum."""
-    metas = [channel.recv_obj(s) for s in range(n_senders)]
-    mode = metas[0]["mode"]
-    plan = [e.meta for m in metas for e in m["entries"]]
-    _raise_if_failed(channel.exchange_status(check(mode, plan)), "metadata")
-    pairs = (p for s in range(n_senders) for p in _unpack(channel, s, metas[s]))
-    error = ""
+    """The engine side of one sync.  ``check(mode, plan)`` returns '' or an error naming the tensor; it
+    is called every sync, with the same plan tuple while the senders' digests are unchanged.
+    ``load(incoming)`` is ``engine.load_weights`` (all-or-nothing) or a loader that uses ``Incoming``'s
+    buckets; ``held(mode)`` gives the engine's tensors after the load under the sent names, for the checksum."""
+    t0 = time.perf_counter()
+    plans, error = _exchange_plans(channel, n_senders, None)
+    mode = plans[0].mode if plans[0] is not None else ""
+    if not error:
+        error = check(mode, channel.plans.combined(plans))
+    _raise_if_failed(channel.exchange_status(error), "metadata")
+    t1 = time.perf_counter()
+    incoming, error = Incoming(channel, plans), ""
     try:
-        load(pairs)
+        load(incoming)
     except SyncError:  # the channel itself failed (dead peer, timeout): nothing left to keep in step
         raise
     except Exception as e:  # keep the protocol in step: drain the rest, report in the status round
         error = f"load_weights failed: {e}"
-        for _ in pairs:
-            pass
+    incoming.drain()
+    t2 = time.perf_counter()
     sums = {}
     for s in range(n_senders):
         sums.update(channel.recv_obj(s) or {})
@@ -300,4 +337,6 @@ def receive_weights(channel, n_senders: int, check: Callable[[str, list[TensorMe
         if wrong:
             error = f"checksum mismatch on {len(wrong)} tensor(s), e.g. {wrong[0]!r}"
     _raise_if_failed(channel.exchange_status(error), "load / checksum")
-    return {"bytes": sum(m["total"] for m in metas), "tensors": len(plan), "checksums": len(sums)}
+    return {"bytes": sum(p.total for p in plans), "tensors": sum(len(p.entries) for p in plans),
+            "checksums": len(sums),
+            "seconds": {"metadata": t1 - t0, "load": t2 - t1, "finish": time.perf_counter() - t2}}

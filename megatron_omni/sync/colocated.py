@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_omni.sync.broadcaster import SyncError
+from megatron_omni.sync.broadcaster import PlanCache, SyncError
 
 
 def shared_buffers(capacity: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
@@ -27,6 +27,7 @@ class SharedMemoryChannel:
         self._busy = [False, False]  # sender: slot handed to the engine, not yet freed
         self._used = [False, False]  # receiver: slot holds a bucket it has consumed
         self._expect: list[int | None] = [None, None]
+        self.plans = PlanCache()
 
     # ---- pipe with a timeout ------------------------------------------------------------------------
     def _recv(self, what: str):
