@@ -5,15 +5,20 @@ Cases (each a fresh engine process):
              with --smoke: two CPU processes over gloo)
   colocated  engine process on the trainer's GPU, shared-memory (CUDA IPC) buckets opened once
   lora       colocated, LoRA r64 / alpha 128 on the 12 usual Qwen-Image linears, adapters only
-Each case runs with ``--load engine`` (EmbeddedEngine.load_weights: validate, stage, copy) or
-``--load none`` (the receiver checks the plan against a meta-device model and drops the bytes:
-transport alone), or both (default).  Full-size Qwen-Image (20.43 B params, bf16, random init)
-unless ``--smoke``: the tiny model on the CPU over gloo / POSIX shared memory, to check the script.
+Each case runs with ``--load engine`` (the engine's load: full / merged straight from the buckets into
+its parameters, LoRA staged whole then committed with one fused copy) or ``--load none`` (the receiver
+checks the plan against a meta-device model and drops the bytes: transport alone), or both (default).
+Full-size Qwen-Image (20.43 B params, bf16, random init) unless ``--smoke``: the tiny model on the CPU
+over gloo / POSIX shared memory, to check the script; ``--smoke --layers 60`` has the full model's
+tensor counts (1,933 HF tensors, 1,440 adapters), so per-tensor costs show on a CPU.
 
     python bench/weight_sync.py --smoke
+    python bench/weight_sync.py --smoke --layers 60 --cases colocated,lora
     python bench/weight_sync.py --cases gpu2gpu,colocated,lora --bucket-mb 1024 --repeats 5
 
-Median of ``--repeats`` syncs after one warm-up; GB/s counts the bytes of the HF tensors sent.
+One exporter per case, reused by every sync (as the trainer does); median of ``--repeats`` syncs after
+one warm-up (which sends the plan in full; later syncs send its digest); GB/s counts the bytes of the
+HF tensors sent.  The phase columns are described in ``_phases``.
 """
 from __future__ import annotations
 
@@ -87,20 +92,21 @@ def run_case(name: str, args, arch, state, trainer_model, load: str) -> dict:
                                   child_env={"CUDA_VISIBLE_DEVICES": str(engine_gpu)} if gpu else None)
     try:
         times, phases, stats = [], [], {}
+        # one exporter for every sync, as the trainer keeps one: items, plan and sources resolved once
+        exporter = HFExporter(model, state.tp_group, mode="lora" if lora else "full", bucket_bytes=bucket)
         for i in range(args.repeats + 1):
-            exporter = HFExporter(model, state.tp_group, mode="lora" if lora else "full", bucket_bytes=bucket)
             if gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             stats = push_weights(engines, exporter, bucket, checksum=False)
             if gpu:
                 torch.cuda.synchronize()
-            if i:  # the first sync is the warm-up (allocations, NCCL connections)
+            if i:  # the first sync is the warm-up (allocations, NCCL connections, the plan sent in full)
                 times.append(time.perf_counter() - t0)
-                phases.append(stats.get("seconds", {}))
+                phases.append(_phases(stats))
         secs = statistics.median(times)
-        split = {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases and phases[0] else {}
-        split["export"] = _export_seconds(model, state, lora, bucket, gpu)
+        split = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+        split["export"] = _export_seconds(exporter, gpu)
         label = name if not (name == "gpu2gpu" and not gpu) else "process (gloo)"
         return {"case": label, "load": load, "GB": stats["bytes"] / 1e9, "buckets": stats["buckets"],
                 "seconds": secs, "GB/s": stats["bytes"] / 1e9 / secs, "tensors": stats["tensors"], "split": split}
@@ -108,12 +114,24 @@ def run_case(name: str, args, arch, state, trainer_model, load: str) -> dict:
         engines.close()
 
 
-def _export_seconds(model, state, lora: bool, bucket: int, gpu: bool, repeats: int = 3) -> float:
+def _phases(stats: dict) -> dict[str, float]:
+    """Where one sync's time went.  Seen from the sender: metadata (plan, or its digest, + status round),
+    pack + send (export, fused packing, hand-over of the buckets, overlapped with the engine copying out
+    of them), finish (the engine ending its load + checksums + status).  Seen from the engine, when the
+    engines report it: receiver load (from its first bucket to its load's end)."""
+    seconds = stats.get("seconds", {})
+    out = {"metadata": seconds.get("metadata", float("nan")), "pack+send": seconds.get("stream", float("nan")),
+           "finish": seconds.get("finish", float("nan"))}
+    engines = stats.get("engines") or [{}]
+    out["receiver load"] = engines[0].get("seconds", {}).get("load", float("nan"))
+    return out
+
+
+def _export_seconds(exporter: HFExporter, gpu: bool, repeats: int = 3) -> float:
     """The exporter alone (gather, name, yield; nothing sent), median of ``repeats``: the part of a
-    sync's "stream" time that is the trainer's own work."""
+    sync's "pack + send" time that is the trainer's own work."""
     times = []
     for _ in range(repeats):
-        exporter = HFExporter(model, state.tp_group, mode="lora" if lora else "full", bucket_bytes=bucket)
         t0 = time.perf_counter()
         for _name, _t in exporter.tensors():
             pass
@@ -133,9 +151,11 @@ def main(argv=None) -> None:
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --smoke: blocks of the tiny model (60 gives the full model's tensor count)")
     args = p.parse_args(argv)
     if args.smoke:
-        arch, args.device, args.bucket_mb, args.repeats, args.lora_rank = tiny_config(), "cpu", 1, 3, 4
+        arch, args.device, args.bucket_mb, args.lora_rank = tiny_config(num_layers=args.layers or 2), "cpu", 1, 4
     else:
         arch, args.device = QwenImageConfig(), "cuda"
     state = init_parallel(device=args.device)
@@ -170,11 +190,12 @@ def _print(rows: list[dict], args) -> None:
     title = (f"weight sync, {'tiny model, CPU (smoke)' if args.smoke else 'Qwen-Image 20.4 B'} {args.dtype}, "
              f"bucket {args.bucket_mb} MiB, median of {args.repeats} — {date.today()} {commit}")
     table = Table(title=title)
-    for col in ("case", "engine load", "GB", "tensors", "buckets", "s / sync", "GB/s", "metadata s", "stream s",
-                "finish s", "export alone s"):
+    phases = ("metadata", "pack+send", "receiver load", "finish", "export")
+    for col in ("case", "engine load", "GB", "tensors", "buckets", "s / sync", "GB/s",
+                *[f"{p if p != 'export' else 'export alone'} s" for p in phases]):
         table.add_column(col, justify="right" if col not in ("case", "engine load") else "left")
     for r in rows:
-        split = [f"{r['split'][k]:.4f}" if k in r["split"] else "-" for k in ("metadata", "stream", "finish", "export")]
+        split = [f"{r['split'][k]:.4f}" if r["split"].get(k) == r["split"].get(k) else "-" for k in phases]
         table.add_row(r["case"], r["load"], f"{r['GB']:.4f}", str(r["tensors"]), str(r["buckets"]),
                       f"{r['seconds']:.4f}", f"{r['GB/s']:.2f}", *split)
     Console(width=200).print(table)

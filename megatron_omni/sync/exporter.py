@@ -1,7 +1,12 @@
 """Exporter: a (TP/PP-sharded) Megatron model -> whole HF-named tensors, gathered bucket by bucket.
 
 Protocol: ``plan()`` (no communication, no copies) lists what ``tensors()`` will yield, in order:
-(HF name, shape, dtype).  ``tensors()`` is a collective over the TP group (every TP rank of the stage
+(HF name, shape, dtype).  Build one exporter and reuse it for every sync: the items, the plan, the
+bucket split and the source tensor of every item (a parameter, or an adapter view ``lora_A[j]``) are
+resolved once.  The optimizer updates parameters in place (megatron-core's DDP re-binds ``param.data``
+only when it is built, and only with the distributed optimizer), so the references stay valid; should
+a parameter be re-bound later (``module.to()``, an offload), the next call notices (the parameters'
+data pointers changed) and resolves everything again.  ``tensors()`` is a collective over the TP group (every TP rank of the stage
 iterates it; all of them receive the gathered tensors, the stage's sender uses them).  Per bucket,
 the TP-split local shards of consecutive rules are packed into one flat buffer and all-gathered once,
 so extra memory is about ``bucket_bytes`` x (TP + 1) and the number of collectives is the number of
@@ -70,6 +75,12 @@ class HFExporter:
         self.local = {target_name(k): v for k, v in module.state_dict(keep_vars=True).items()
                       if not k.endswith((".lora_A", ".lora_B"))}
         self.items = self._adapter_items() if mode == "lora" else self._rule_items(pp_group)
+        # the parameters the sources are views of: their data pointers tell whether a source went stale
+        self._params = [p for m in self.lora.values() for p in (m.lora_A, m.lora_B)] if mode == "lora" else \
+            [self.local[it.local_name] for it in self.items]
+        self._merge = [self.lora.get(it.local_name.removesuffix(".weight")) if mode == "merged"
+                       and it.local_name.endswith(".weight") else None for it in self.items]
+        self._fingerprint: tuple[int, ...] | None = None
 
     # ---- what is exported ----------------------------------------------------------------------
     def _rule_items(self, pp_group) -> list[_Item]:
@@ -89,81 +100,93 @@ class HFExporter:
         return [_Item(f"{mod}:{name}", None, name, dim) for mod, m in self.lora.items()
                 for name, _, dim in m.peft_tensors()]
 
-    def _local_tensor(self, item: _Item) -> torch.Tensor:
-        if item.rule is None:
-            mod, _, name = item.local_name.partition(":")
-            return next(t for n, t, _ in self.lora[mod].peft_tensors() if n == name).detach()
-        t = self.local[item.local_name].detach()
-        mod = item.local_name.removesuffix(".weight")
-        if self.mode == "merged" and item.local_name.endswith(".weight") and mod in self.lora:
-            t = t + self.lora[mod].delta_weight().detach().to(t.dtype)
-        return t
+    def _resolve(self) -> None:
+        """Source tensor, plan and bucket split, computed again only when a parameter was re-bound."""
+        fingerprint = tuple(p.data_ptr() for p in self._params)
+        if fingerprint == self._fingerprint:
+            return
+        if self.mode == "lora":  # same order as _adapter_items
+            self._sources = [t.detach() for m in self.lora.values() for _, t, _ in m.peft_tensors()]
+        else:
+            self._sources = [self.local[it.local_name].detach() for it in self.items]
+        self._plan = tuple(self._make_plan())
+        self._split = self._make_split()
+        self._fingerprint = fingerprint
 
-    def _global_shape(self, item: _Item) -> tuple[int, ...]:
-        shape = list(self._local_tensor_shape(item))
-        if item.tp_dim is not None:
-            shape[item.tp_dim] *= self.tp_size
+    def _global_shape(self, i: int) -> tuple[int, ...]:
+        shape, dim = list(self._sources[i].shape), self.items[i].tp_dim
+        if dim is not None:
+            shape[dim] *= self.tp_size
         return tuple(shape)
 
-    def _local_tensor_shape(self, item: _Item) -> tuple[int, ...]:
-        if item.rule is None:
-            return tuple(self._local_tensor(item).shape)
-        return tuple(self.local[item.local_name].shape)
-
     def plan(self) -> list[TensorMeta]:
-        """The tensors ``tensors()`` yields, in order, without gathering anything."""
-        out = []
-        for item in self.items:
-            dtype = self.local[item.local_name].dtype if item.rule else self._local_tensor(item).dtype
+        """The tensors ``tensors()`` yields, in order, without gathering anything (a new list of the same
+        cached ``TensorMeta`` objects each call: the broadcaster compares it with the last one by identity
+        of its items, in microseconds)."""
+        self._resolve()
+        return list(self._plan)
+
+    def _make_plan(self) -> Iterator[TensorMeta]:
+        for i, item in enumerate(self.items):
+            dtype, shape = self._sources[i].dtype, self._global_shape(i)
             if item.rule is None:
-                out.append(TensorMeta(item.hf_name, self._global_shape(item), dtype))
+                yield TensorMeta(item.hf_name, shape, dtype)
                 continue
-            shapes = hf_shapes([item.rule], {item.rule.mcore: self._global_shape(item)})
-            out += [TensorMeta(h, tuple(shapes[h]), dtype) for h in item.rule.hf]
-        return out
+            shapes = hf_shapes([item.rule], {item.rule.mcore: shape})
+            yield from (TensorMeta(h, tuple(shapes[h]), dtype) for h in item.rule.hf)
 
     # ---- the gather --------------------------------------------------------------------------------
-    def _buckets(self) -> Iterator[list[_Item]]:
-        bucket, size = [], 0
-        for item in self.items:
-            nbytes = torch.Size(self._global_shape(item)).numel() * self._local_tensor_dtype(item).itemsize
-            if bucket and size + nbytes > self.bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(item)
+    def _make_split(self) -> list[list[int]]:
+        """Item indices per gather bucket (about ``bucket_bytes`` of whole tensors each)."""
+        buckets, size = [[]], 0
+        for i in range(len(self.items)):
+            nbytes = torch.Size(self._global_shape(i)).numel() * self._sources[i].dtype.itemsize
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(i)
             size += nbytes
-        if bucket:
-            yield bucket
+        return [b for b in buckets if b]
 
-    def _local_tensor_dtype(self, item: _Item) -> torch.dtype:
-        return self.local[item.local_name].dtype if item.rule else self._local_tensor(item).dtype
+    def _local_tensor(self, i: int) -> torch.Tensor:
+        t, lora = self._sources[i], self._merge[i]
+        if lora is not None:  # merged: W + alpha/r B A, a fresh tensor
+            t = t + lora.delta_weight().detach().to(t.dtype)
+        return t
 
-    def _gather(self, items: list[_Item]) -> list[torch.Tensor]:
-        """Whole (global) tensors of ``items``: one all-gather over TP for all the split ones."""
-        local = [self._local_tensor(it) for it in items]
-        split = [i for i, it in enumerate(items) if it.tp_dim is not None and self.tp_size > 1]
+    @torch.no_grad()
+    def _gather(self, idx: list[int]) -> list[torch.Tensor]:
+        """Whole (global) tensors of items ``idx``: one all-gather over TP for all the split ones."""
+        local = [self._local_tensor(i) for i in idx]
+        split = [j for j, i in enumerate(idx) if self.items[i].tp_dim is not None and self.tp_size > 1]
         if not split:
             return local
         dtype = local[split[0]].dtype
-        if any(local[i].dtype != dtype for i in split):
+        if any(local[j].dtype != dtype for j in split):
             raise ValueError("HFExporter: TP-split tensors of one bucket have different dtypes")
-        flat = torch.cat([local[i].reshape(-1) for i in split])  # [n]
+        flat = torch.cat([local[j].reshape(-1) for j in split])  # [n]
         out = torch.empty(self.tp_size * flat.numel(), dtype=dtype, device=flat.device)
         dist.all_gather_into_tensor(out, flat, group=self.tp_group)
         out_TN = out.view(self.tp_size, -1)  # [TP, n]
         start = 0
-        for i in split:
-            n, shape, dim = local[i].numel(), local[i].shape, items[i].tp_dim
-            local[i] = torch.cat([out_TN[r, start:start + n].view(shape) for r in range(self.tp_size)], dim=dim)
+        for j in split:
+            n, shape, dim = local[j].numel(), local[j].shape, self.items[idx[j]].tp_dim
+            local[j] = torch.cat([out_TN[r, start:start + n].view(shape) for r in range(self.tp_size)], dim=dim)
             start += n
         return local
 
-    @torch.no_grad()
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, whole tensor) in ``plan()`` order; a collective over the TP group.  The tensors may
-        be views of a buffer reused for the next bucket: consume (copy) each before asking for the next."""
-        for items in self._buckets():
-            for item, full in zip(items, self._gather(items)):
+        """(HF name, whole tensor) in ``plan()`` order; a collective over the TP group.  Every tensor stays
+        valid while it is referenced: it is a parameter (or adapter view) itself, or freshly allocated
+        (a TP gather, a merged weight, a q / k / v split), never a view of a buffer reused for a later
+        bucket.  So a consumer may hold a bucket's worth before copying them (the broadcaster packs a
+        bucket with one fused copy); the parameters must not change until the sync ends.  (No grad-mode
+        decorator here: on a generator it toggles grad mode at every yield; ``_gather`` computes under
+        ``no_grad`` and the q / k / v split works on tensors that need no grad.)"""
+        self._resolve()
+        for idx in self._split:
+            for i, full in zip(idx, self._gather(idx)):
+                item = self.items[i]
                 if item.rule is None:
                     yield item.hf_name, full
                 else:

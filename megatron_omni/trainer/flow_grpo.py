@@ -61,6 +61,7 @@ class FlowGRPORun:
     logger: RunLogger
     forward_step: Callable  # megatron forward_step_func computing the Flow-GRPO loss
     text_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    exporters: dict[tuple[str, int], HFExporter] = field(default_factory=dict)  # per (mode, bucket), reused
 
 
 def request_seed(seed: int, step: int, index: int) -> int:
@@ -94,8 +95,16 @@ def push_policy_weights(run: "FlowGRPORun") -> dict:
     s, module = run.cfg.sync, run.policy.module
     mode = s.mode if s.mode != "auto" else ("merged" if lora_modules(module) else "full")
     bucket = s.bucket_mb << 20
-    exporter = HFExporter(module, run.policy.state.tp_group, mode=mode, bucket_bytes=bucket)
-    return push_weights(run.engine, exporter, bucket, s.checksum)
+    return push_weights(run.engine, _exporter(run, mode, bucket), bucket, s.checksum)
+
+
+def _exporter(run: "FlowGRPORun", mode: str, bucket: int) -> HFExporter:
+    """The run's exporter of ``mode``, built at its first sync and reused: items, plan and the source
+    tensors are resolved once (the optimizer updates the parameters in place)."""
+    if (mode, bucket) not in run.exporters:
+        run.exporters[mode, bucket] = HFExporter(run.policy.module, run.policy.state.tp_group, mode=mode,
+                                                 bucket_bytes=bucket)
+    return run.exporters[mode, bucket]
 
 
 def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
