@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,9 @@ def time_layout(args, tp, cp, ulysses, pp):
             torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+    if args.profile and args.profile in (f"TP={tp}" if tp > 1 else "", f"PP={pp}" if pp > 1 else "",
+                                         "DP" if tp * cp * pp == 1 else ""):
+        _profile(partial(run_microbatches, policy, step, mbs, boundary_shape=shape), args.profile)
     peak = torch.cuda.max_memory_allocated() / 2**30 if state.torch_device.type == "cuda" else float("nan")
     params = sum(p.numel() for m in policy.modules for p in m.parameters())
     row = torch.tensor([statistics.median(times), peak, float(params)], dtype=torch.float64)
@@ -84,6 +88,18 @@ def time_layout(args, tp, cp, ulysses, pp):
     return state.dp, rows
 
 
+def _profile(fn, name: str, rows: int = 18) -> None:
+    """One more step under torch.profiler; rank 0 prints the kernels that took the most GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        print(f"--- profile of one step, {name} (rank 0) ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU gloo (checks the script runs)")
@@ -91,6 +107,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=1, help="samples per micro-batch")
+    parser.add_argument("--profile", choices=["TP=2", "PP=2", "DP"], help="print a kernel profile of that layout")
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
