@@ -6,8 +6,10 @@ bucket split and the source tensor of every item (a parameter, or an adapter vie
 resolved once.  The optimizer updates parameters in place (megatron-core's DDP re-binds ``param.data``
 only when it is built, and only with the distributed optimizer), so the references stay valid; should
 a parameter be re-bound later (``module.to()``, an offload), the next call notices (the parameters'
-data pointers changed) and resolves everything again.  ``tensors()`` is a collective over the TP group (every TP rank of the stage
-iterates it; all of them receive the gathered tensors, the stage's sender uses them).  Per bucket,
+data pointers changed) and resolves everything again.
+
+``tensors()`` is a collective over the TP group (every TP rank of the stage iterates it; all of them
+receive the gathered tensors, the stage's sender uses them).  Per bucket,
 the TP-split local shards of consecutive rules are packed into one flat buffer and all-gathered once,
 so extra memory is about ``bucket_bytes`` x (TP + 1) and the number of collectives is the number of
 buckets, not of tensors.

@@ -5,7 +5,8 @@ Every tensor starts at a 64-byte aligned offset, so a view of any dtype starts a
 cut into buckets of ``bucket_bytes``; a tensor that straddles a bucket boundary (or is larger than a
 bucket) is chunked.  Bucket k always lands in slot k % 2 of the two reused bucket buffers, so the typed
 view of every tensor that lies inside one bucket is computed once per plan and buffer pair
-(``StreamPlan.views``) and reused by every sync.
+(``StreamPlan.views``) and reused by every sync: per tensor, nothing is left to do in Python but hand
+the view to one fused copy (``fused_copy``) per bucket.
 """
 from __future__ import annotations
 
@@ -77,20 +78,49 @@ class StreamPlan:
     def bucket_size(self, k: int) -> int:
         return min(self.bucket_bytes, self.total - k * self.bucket_bytes)
 
+    def _place(self, e: Entry) -> tuple[int, int, bool]:
+        """(bucket k of the entry's first byte, its start in that bucket, whether it lies inside it)."""
+        k, start = divmod(e.offset, self.bucket_bytes)
+        return k, start, start + e.meta.nbytes <= self.bucket_bytes
+
     def views(self, bufs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """Per entry: its typed view in slot k % 2 of ``bufs`` when it lies inside bucket k, else None
         (it straddles buckets).  Computed once per buffer pair."""
         key = tuple(b.data_ptr() for b in bufs)
         if not self._views or self._views[0] != key:
-            bb, out = self.bucket_bytes, []
+            out = []
             for e in self.entries:
-                k = e.offset // bb
-                start = e.offset - k * bb
-                inside = start + e.meta.nbytes <= bb
+                k, start, inside = self._place(e)
                 out.append(bufs[k % 2][start:start + e.meta.nbytes].view(e.meta.dtype).view(e.meta.shape)
                            if inside else None)
             self._views = (key, out)
         return self._views[1]
+
+
+def copy_groups(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[tuple[list, list]]:
+    """The pairs (dst[i], src[i]) grouped by devices, dtypes and layout, so that each group can take
+    ``torch._foreach_copy_``'s fused path (one multi-tensor kernel on CUDA needs one device, one dtype
+    and dense tensors of equal strides); a group it cannot fuse (strided views) is looped in C++."""
+    if len(dst) != len(src):
+        raise ValueError(f"copy_groups: {len(dst)} destinations for {len(src)} sources")
+    groups: dict[tuple, tuple[list, list]] = {}
+    for d, s in zip(dst, src):
+        g = groups.setdefault((d.device, d.dtype, s.device, s.dtype, d.is_contiguous() and s.is_contiguous()),
+                              ([], []))
+        g[0].append(d)
+        g[1].append(s)
+    return list(groups.values())
+
+
+def run_copies(groups: list[tuple[list, list]]) -> None:
+    for d, s in groups:
+        # asynchronous except into host memory, which the caller may read (or send) right away
+        torch._foreach_copy_(d, s, non_blocking=d[0].device.type != "cpu")
+
+
+def fused_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i in as few launches as torch allows (``copy_groups``)."""
+    run_copies(copy_groups(dst, src))
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -98,21 +128,24 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class BucketWriter:
-    """Sender side of the double-buffered stream: each tensor is copied into its bucket as it comes (in
-    chunks when it crosses a bucket boundary); bucket k + 1 is packed while bucket k is in flight."""
+    """Sender side of the double-buffered stream.  A tensor inside bucket k is queued and the queue is
+    copied with one ``fused_copy`` right before bucket k is sent; a tensor crossing a bucket boundary is
+    copied in chunks at once.  Queued tensors must stay valid until then (``HFExporter.tensors`` says
+    they do).  Bucket k + 1 is packed while bucket k is in flight."""
 
     def __init__(self, channel, src: int, plan: StreamPlan):
         self.channel, self.src, self.plan = channel, src, plan
         self.bufs = channel.bucket_buffers(plan.bucket_bytes)
         self.views = plan.views(self.bufs)
-        self.k = 0
+        self.k, self.dst, self.srcs = 0, [], []
         self.non_blocking = self.bufs[0].device.type != "cpu"  # host memory may be sent right away
 
     def add(self, i: int, t: torch.Tensor) -> None:
         entry, view = self.plan.entries[i], self.views[i]
         if view is not None:
             self._reach(entry.offset)
-            view.copy_(t, non_blocking=self.non_blocking)
+            self.dst.append(view)
+            self.srcs.append(t)
             return
         bb, data, pos = self.plan.bucket_bytes, as_bytes(t), entry.offset
         while data.numel():
@@ -128,6 +161,8 @@ class BucketWriter:
             self._send()
 
     def _send(self) -> None:
+        fused_copy(self.dst, self.srcs)
+        self.dst, self.srcs = [], []
         self.channel.send_bucket(self.k % 2, self.plan.bucket_size(self.k), self.src)
         self.k += 1
         self.channel.wait_slot(self.k % 2)  # the slot's previous bucket is delivered: it may be refilled
