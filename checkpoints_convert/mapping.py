@@ -89,3 +89,28 @@ def hf_shapes(rules: list[Rule], mcore_shapes: Mapping[str, tuple[int, ...]]) ->
             shape = (shape[0] // 3, *shape[1:])
         out.update({h: shape for h in rule.hf})
     return out
+
+
+def hf_views(rule: Rule, local: torch.Tensor, heads: int, tp_rank: int = 0, tp_size: int = 1
+             ) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]:
+    """Per HF name of ``rule``: (the view of this rank's Megatron tensor ``local`` that HF tensor fills,
+    a function giving the matching view of the whole HF tensor).  Copying every pair equals
+    ``local.copy_(tp_shard(to_mcore(rule, hf, heads), rule.tp_dim, tp_rank, tp_size))`` without building
+    the fused or global tensor: q / k / v land in strided views of the per-head interleaved QKV."""
+    n = tp_size if rule.tp_dim is not None else 1
+    rank = tp_rank if n > 1 else 0
+    if rule.transform == QKV:
+        if rule.tp_dim not in (None, 0) or heads % n:
+            raise ValueError(f"{rule.mcore}: a fused QKV splits over TP along whole heads (dim 0); got tp_dim "
+                             f"{rule.tp_dim}, {heads} heads, TP={n}")
+        local_heads = heads // n
+        fused_N3D = local.view(local_heads, 3, -1, *local.shape[1:])  # [N local heads, q/k/v, D, ...]
+        lo = rank * local_heads
+
+        def part(t: torch.Tensor) -> torch.Tensor:  # [H*D, ...] -> [N, D, ...], this rank's heads
+            return t.view(heads, -1, *t.shape[1:])[lo:lo + local_heads]
+
+        return {name: (fused_N3D[:, j], part) for j, name in enumerate(rule.hf)}
+    if n == 1:
+        return {rule.hf[0]: (local, lambda t: t)}
+    return {rule.hf[0]: (local, lambda t: t.chunk(n, dim=rule.tp_dim)[rank])}

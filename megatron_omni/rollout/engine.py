@@ -13,15 +13,16 @@ E text-embedding width; B requests in a batch (2B rows in the forward with CFG).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-from checkpoints_convert.mapping import Rule, hf_shapes, to_mcore, tp_shard
+from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_shard
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
@@ -209,6 +210,7 @@ class EmbeddedEngine:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._asleep = False
+        self._incomplete: str | None = None  # why the weights are part old, part new (a write that failed midway)
 
     # ---- requests -> batches ------------------------------------------------------------------
     def generate(self, requests: Sequence[Request]) -> list[Trajectory]:
@@ -324,6 +326,9 @@ class EmbeddedEngine:
         with self._run_lock, torch.no_grad():
             if self._asleep:
                 raise RuntimeError("the engine is asleep (weights offloaded); call wake() before generating")
+            if self._incomplete:
+                raise RuntimeError(f"the engine's weights are incomplete: {self._incomplete}; it generates again "
+                                   f"after a weight load of the whole model succeeds")
             sigmas_N1 = sigmas(r0.num_steps, r0.shift)
             gens = [torch.Generator().manual_seed(p.request.seed) for p in items]
             windows = [_trained_steps(p.request, g) for p, g in zip(items, gens)]
@@ -363,17 +368,48 @@ class EmbeddedEngine:
         too), through the mapping table.  Every tensor is validated before any is copied: an unknown
         name, a duplicate, a wrong shape or an incomplete QKV raises ValueError naming the tensor and
         leaves the weights untouched.  A subset of the model may be sent.  Returns the Megatron names set.
-        Until the copy it holds one converted copy of what it received, on the model's device and dtype."""
+        Until the copy it holds one converted copy of what it received, on the model's device and dtype.
+
+        ``weights`` that know a faster way in (a ``load_into(engine)`` method: megatron_omni.sync's
+        bucket stream, whose plan was validated before any byte moved) load themselves through
+        ``weight_views`` and ``writing_weights``, straight into the parameters."""
+        load_into = getattr(weights, "load_into", None)
+        if load_into is not None:
+            return load_into(self)
         params = dict(self.model.named_parameters())
-        stager = _WeightStager(qwen_image_rules(self.arch), params, self.arch.num_attention_heads,
-                               self.tp_rank, self.tp_size)
+        rules = qwen_image_rules(self.arch)
+        stager = _WeightStager(rules, params, self.arch.num_attention_heads, self.tp_rank, self.tp_size)
         for name, tensor in weights:
             stager.add(name, tensor)
         staged = stager.finish()
-        with self._run_lock, torch.no_grad():
+        with self.writing_weights("load_weights", complete=len(staged) == len(rules)):
             for name, tensor in staged.items():
                 params[name].copy_(tensor)
         return set(staged)
+
+    def weight_views(self) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]:
+        """Per HF name: (the view of this rank's parameter that tensor fills, a function giving the matching
+        view of the whole HF tensor); see ``checkpoints_convert.mapping.hf_views``.  Copy under
+        ``writing_weights``."""
+        params, heads = dict(self.model.named_parameters()), self.arch.num_attention_heads
+        out = {}
+        for rule in qwen_image_rules(self.arch):
+            out.update(hf_views(rule, params[rule.mcore].data, heads, self.tp_rank, self.tp_size))
+        return out
+
+    @contextlib.contextmanager
+    def writing_weights(self, what: str, complete: bool) -> Iterator[None]:
+        """Hold the engine (no batch runs) while weights are written in place.  If the writer fails midway
+        the model is part old, part new: generate() then refuses, naming ``what``, until a write with
+        ``complete`` (every parameter of the model) succeeds."""
+        with self._run_lock, torch.no_grad():
+            try:
+                yield
+            except BaseException as e:
+                self._incomplete = f"{what} failed after writing part of them ({type(e).__name__}: {e})"
+                raise
+            if complete:
+                self._incomplete = None
 
     def sleep(self) -> None:
         """Offload the weights to host memory and free the accelerator's cached memory (for the trainer's

@@ -1,9 +1,24 @@
 """What the receiving side needs from an ``EmbeddedEngine``: the expected shapes per mode, the load
-itself (base weights through ``engine.load_weights``; LoRA adapters into the engine model's
-``LoRALinear``s, all-or-nothing) and the tensors it holds afterwards, for the checksum."""
+itself and the tensors it holds afterwards, for the checksum.
+
+Loads of a sync stream (``broadcaster.Incoming``), with everything per tensor computed once per plan
+digest and reused while the digests and the engine's parameters stay the same:
+* LoRA adapters: the whole stream lands in one resident staging buffer (the adapters are small); once
+  every bucket has arrived, one fused copy moves them into the engine's adapter tensors (their TP
+  shards).  A sync that fails midway leaves the adapters untouched.
+* full / merged: straight from the buckets into (views of) the engine's parameters, q / k / v into
+  strided views of the fused QKV, one fused copy per bucket: no staged copy of the model.  Names and
+  shapes were checked before any byte moved; a peer that dies midway leaves the model part old, part
+  new, and the engine then refuses to generate until a sync of the whole model succeeds
+  (``EmbeddedEngine.writing_weights``).
+Plain (name, tensor) pairs go the staged way (``engine.load_weights``, ``load_peft_state_dict``).
+"""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -11,8 +26,37 @@ import torch
 from checkpoints_convert.convert import hf_state_from_mcore
 from checkpoints_convert.mapping import hf_shapes
 from checkpoints_convert.qwen_image import qwen_image_rules
+from megatron_omni.sync.broadcaster import Incoming
 from megatron_omni.sync.exporter import TensorMeta
+from megatron_omni.sync.stream import ALIGN, copy_groups, run_copies
 from model_specs.common.lora import load_peft_state_dict, lora_modules, peft_state_dict, target_name
+
+
+@dataclass
+class _SyncState:
+    """Per engine: the last plan checked, the number of syncs, the LoRA staging buffer and the copy plan
+    of the last digests."""
+    checked: tuple = (None, "", "")  # (plan tuple, mode, verdict)
+    syncs: int = 0
+    staging: torch.Tensor | None = None
+    prepared: tuple = (None, None)  # (key, _LoraCommit or _DirectPlan)
+    lora: dict = field(default_factory=dict)  # the engine model's LoRALinears, found once
+    params: list = field(default_factory=list)  # and its parameters: their data pointers key the copy plans
+
+    def fingerprint(self, adapters: bool) -> tuple[int, ...]:
+        """Where the parameters live now (sleep / wake or ``.to()`` move them): copy plans hold views."""
+        if adapters:
+            return tuple(p.data_ptr() for m in self.lora.values() for p in (m.lora_A, m.lora_B))
+        return tuple(p.data_ptr() for p in self.params)
+
+
+_STATES: "weakref.WeakKeyDictionary[object, _SyncState]" = weakref.WeakKeyDictionary()
+
+
+def _state(engine) -> _SyncState:
+    if engine not in _STATES:
+        _STATES[engine] = _SyncState(lora=lora_modules(engine.model), params=list(engine.model.parameters()))
+    return _STATES[engine]
 
 
 def expected_shapes(engine, mode: str) -> dict[str, tuple[int, ...]]:
@@ -35,8 +79,19 @@ def _global_adapters(m):
         yield name, torch.empty(shape, device="meta"), dim
 
 
-def check_plan(engine, mode: str, plan: list[TensorMeta]) -> str:
-    """'' when every sent tensor is known with the right shape, else a message naming the first bad one."""
+def check_plan(engine, mode: str, plan) -> str:
+    """'' when every sent tensor is known with the right shape, else a message naming the first bad one.
+    The verdict on a plan tuple is kept: the broadcaster passes the same tuple while its digest holds."""
+    st = _state(engine)
+    if isinstance(plan, tuple) and st.checked[0] is plan and st.checked[1] == mode:
+        return st.checked[2]
+    verdict = _check(engine, mode, plan)
+    if isinstance(plan, tuple):
+        st.checked = (plan, mode, verdict)
+    return verdict
+
+
+def _check(engine, mode: str, plan: Iterable[TensorMeta]) -> str:
     if mode == "lora" and not lora_modules(engine.model):
         return "LoRA-only sync, but the engine model has no LoRA adapters (apply_lora it like the trainer's)"
     expected = expected_shapes(engine, mode)
@@ -50,14 +105,154 @@ def check_plan(engine, mode: str, plan: list[TensorMeta]) -> str:
     return ""
 
 
-def load(engine, mode: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load(engine, mode: str, pairs) -> None:
+    if not isinstance(pairs, Incoming):
+        _load_pairs(engine, mode, pairs)
+        return
+    st = _state(engine)
+    st.syncs += 1
+    what = f"weight sync {st.syncs} ({mode}, plan {'+'.join(d[:12] for d in pairs.digests)})"
+    if mode == "lora":
+        _load_lora(engine, pairs, st)
+    else:
+        engine.load_weights(_DirectStream(pairs, st, what))
+
+
+def _load_pairs(engine, mode: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
     if mode != "lora":
         engine.load_weights(pairs)
         return
     state = {name: t.detach().clone() for name, t in pairs}  # the buckets are reused: copy on receipt
-    lock = getattr(engine, "_run_lock", None) or contextlib.nullcontext()
-    with lock:
+    with getattr(engine, "_run_lock", None) or contextlib.nullcontext():
         load_peft_state_dict(engine.model, state)
+
+
+def _prepared(st: _SyncState, key: tuple, build):
+    if st.prepared[0] != key:
+        st.prepared = (None, None)  # drop the old views before building the new ones
+        st.prepared = (key, build())
+    return st.prepared[1]
+
+
+# ---- LoRA: stage the whole stream, then commit -----------------------------------------------------------
+
+class _LoraCommit:
+    """Where every sent adapter sits in the staging buffer, and the engine tensor (TP shard) it goes to."""
+
+    def __init__(self, st: _SyncState, incoming: Incoming):
+        self.bases, base = [], 0
+        for plan in incoming.plans:  # sender s's stream at bases[s] of the staging buffer
+            self.bases.append(base)
+            base += -(-plan.total // ALIGN) * ALIGN
+        adapters = [(m, name, t, dim) for m in st.lora.values() for name, t, dim in m.peft_tensors()]
+        if not adapters:
+            raise ValueError("LoRA-only sync, but the engine model has no LoRA adapters")
+        device = adapters[0][2].device
+        if st.staging is None or st.staging.numel() < base or st.staging.device != device:
+            st.staging = None
+            st.staging = torch.empty(base, dtype=torch.uint8, device=device)
+        self.staging = st.staging
+        sent = {}
+        for plan, b in zip(incoming.plans, self.bases):
+            for e in plan.entries:
+                if e.meta.name in sent:
+                    raise ValueError(f"adapter tensor {e.meta.name!r} was sent twice")
+                at = b + e.offset
+                sent[e.meta.name] = self.staging[at:at + e.meta.nbytes].view(e.meta.dtype).view(e.meta.shape)
+        self.dst, self.src = [], []
+        for m, name, local, dim in adapters:
+            if name not in sent:
+                raise KeyError(f"adapter tensor {name!r} missing from the sync ({len(sent)} tensors sent)")
+            whole = sent.pop(name)
+            part = whole if dim is None or m.tp_size == 1 else whole.chunk(m.tp_size, dim)[m.tp_rank]
+            if part.shape != local.shape:
+                raise ValueError(f"adapter tensor {name!r} has shape {tuple(whole.shape)}; expected "
+                                 f"{tuple(local.shape)} per TP rank at TP={m.tp_size}")
+            self.dst.append(local.detach())
+            self.src.append(part)
+        if sent:
+            raise ValueError(f"adapter tensor {next(iter(sent))!r} is not an adapter of the engine's model")
+        self.groups = copy_groups(self.dst, self.src)
+
+
+def _load_lora(engine, incoming: Incoming, st: _SyncState) -> None:
+    commit = _prepared(st, ("lora", incoming.digests, st.fingerprint(adapters=True)), lambda: _LoraCommit(st, incoming))
+    staging = commit.staging
+    for s, k, buf in incoming.buckets():
+        at = commit.bases[s] + k * incoming.plans[s].bucket_bytes
+        staging[at:at + buf.numel()].copy_(buf, non_blocking=staging.device.type != "cpu")
+    # every bucket arrived: commit all adapters at once (a sync that failed above changed nothing)
+    with getattr(engine, "_run_lock", None) or contextlib.nullcontext(), torch.no_grad():
+        run_copies(commit.groups)
+
+
+# ---- full / merged: straight into the parameters ---------------------------------------------------------
+
+class _DirectPlan:
+    """Per sent tensor, the view of the engine parameter it fills; per bucket, the fused copy's lists."""
+
+    def __init__(self, engine, incoming: Incoming):
+        views, rules = engine.weight_views(), qwen_image_rules(engine.arch)
+        sent = [e.meta.name for plan in incoming.plans for e in plan.entries]
+        if len(set(sent)) != len(sent):
+            raise ValueError(f"tensor {next(n for i, n in enumerate(sent) if n in sent[:i])!r} was sent twice")
+        if unknown := [n for n in sent if n not in views]:
+            raise ValueError(f"tensor {unknown[0]!r} is not a parameter of the engine's model")
+        names = set(sent)
+        for rule in rules:  # a fused QKV is written only whole, as load_weights requires
+            if 0 < len(names.intersection(rule.hf)) < len(rule.hf):
+                raise ValueError(f"fused tensor {rule.mcore!r} incomplete: got {sorted(names.intersection(rule.hf))} "
+                                 f"of {list(rule.hf)}")
+        self.complete = all(h in names for rule in rules for h in rule.hf)
+        self.mcore = {rule.mcore for rule in rules if rule.hf[0] in names}
+        self.targets = [[views[e.meta.name] for e in plan.entries] for plan in incoming.plans]
+        self.inside = [plan.inside() for plan in incoming.plans]
+        self.pieces = [plan.pieces() for plan in incoming.plans]
+        self._copies: dict[tuple[int, int], tuple[list, list]] = {}  # (s, k) -> (bucket views, copy groups)
+
+    def copy_bucket(self, incoming: Incoming, s: int, k: int, buf: torch.Tensor, partial: dict) -> None:
+        views = incoming.views(s)
+        cached = self._copies.get((s, k))
+        if cached is None or cached[0] is not views:  # built once per bucket buffer pair
+            idx = self.inside[s].get(k, [])
+            cached = (views, copy_groups([self.targets[s][i][0] for i in idx],
+                                         [self.targets[s][i][1](views[i]) for i in idx]))
+            self._copies[(s, k)] = cached
+        run_copies(cached[1])
+        entries = incoming.plans[s].entries
+        for i, lo, hi, at in self.pieces[s].get(k, ()):  # tensors that straddle buckets: assembled first
+            meta = entries[i].meta
+            if (s, i) not in partial:
+                partial[(s, i)] = torch.empty(meta.nbytes, dtype=torch.uint8, device=buf.device)
+            partial[(s, i)][at:at + hi - lo].copy_(buf[lo:hi])
+            if at + hi - lo == meta.nbytes:
+                dst, take = self.targets[s][i]
+                dst.copy_(take(partial.pop((s, i)).view(meta.dtype).view(meta.shape)))
+
+
+class _DirectStream:
+    """A full / merged sync stream for ``EmbeddedEngine.load_weights``: (name, tensor) pairs like any
+    weights, or, through ``load_into``, copied straight from the buckets into the parameters."""
+
+    def __init__(self, incoming: Incoming, st: _SyncState, what: str):
+        self.incoming, self.st, self.what = incoming, st, what
+
+    def __iter__(self):
+        return iter(self.incoming)
+
+    def load_into(self, engine) -> set[str]:
+        incoming = self.incoming
+        key = ("direct", incoming.digests, self.st.fingerprint(adapters=False))
+        plan = _prepared(self.st, key, lambda: _DirectPlan(engine, incoming))
+        buckets = incoming.buckets()
+        first = next(buckets, None)  # nothing is written before a first bucket arrived
+        if first is None:
+            return set()
+        with engine.writing_weights(self.what, complete=plan.complete):
+            partial = {}
+            for s, k, buf in itertools.chain([first], buckets):
+                plan.copy_bucket(incoming, s, k, buf, partial)
+        return set(plan.mcore)
 
 
 def held(engine, mode: str) -> dict[str, torch.Tensor]:

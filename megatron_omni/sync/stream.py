@@ -96,6 +96,30 @@ class StreamPlan:
             self._views = (key, out)
         return self._views[1]
 
+    def inside(self) -> dict[int, list[int]]:
+        """Bucket k -> the indices of the entries that lie inside it (not straddling)."""
+        out: dict[int, list[int]] = {}
+        for i, e in enumerate(self.entries):
+            k, _, inside = self._place(e)
+            if inside:
+                out.setdefault(k, []).append(i)
+        return out
+
+    def pieces(self) -> dict[int, list[tuple[int, int, int, int]]]:
+        """Bucket k -> (entry index, start, end in the bucket, start in the entry) of every piece of a
+        straddling entry that bucket k holds, in stream order."""
+        out: dict[int, list[tuple[int, int, int, int]]] = {}
+        bb = self.bucket_bytes
+        for i, e in enumerate(self.entries):
+            first, _, inside = self._place(e)
+            if inside:
+                continue
+            start, end = e.offset, e.offset + e.meta.nbytes
+            for k in range(first, -(-end // bb)):
+                a, b = max(start, k * bb), min(end, (k + 1) * bb)
+                out.setdefault(k, []).append((i, a - k * bb, b - k * bb, a - start))
+        return out
+
 
 def copy_groups(dst: list[torch.Tensor], src: list[torch.Tensor]) -> list[tuple[list, list]]:
     """The pairs (dst[i], src[i]) grouped by devices, dtypes and layout, so that each group can take

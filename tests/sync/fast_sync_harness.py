@@ -1,6 +1,7 @@
 """A trainer-side sender and an engine-side receiver in one process, for the fast-path sync tests: the
 receiver runs each sync in a thread, as an engine process runs it, over a colocated channel (a pipe and
-two shared-memory buckets).  No process start per test; the protocol, plan cache and loads are the real ones."""
+two shared-memory buckets).  No process start per test; the protocol, plan cache and loads are the
+real ones."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -10,7 +11,9 @@ import torch
 
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.rollout.engine import EmbeddedEngine, Request
-from megatron_omni.sync import SharedMemoryChannel, SyncError, engine_side, receive_weights, send_weights, shared_buffers
+from megatron_omni.sync import (
+    SharedMemoryChannel, SyncError, engine_side, receive_weights, send_weights, shared_buffers,
+)
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, lora_modules
 from model_specs.qwen_image.model import QwenImageModel
 from tests.sync.workers import ARCH, LORA
@@ -42,8 +45,9 @@ class InProcessSync:
             return engine_side.check_plan(self.engine, m, plan)
 
         try:
-            self.received.append(receive_weights(self.rx, 1, check, lambda p: engine_side.load(self.engine, mode["m"], p),
-                                                 lambda m: engine_side.held(self.engine, m)))
+            self.received.append(receive_weights(
+                self.rx, 1, check, lambda p: engine_side.load(self.engine, mode["m"], p),
+                lambda m: engine_side.held(self.engine, m)))
         except SyncError as e:
             self.received.append(e)
 
