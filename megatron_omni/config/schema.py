@@ -194,14 +194,21 @@ class LoRAConfig:
 
 @dataclass
 class SyncConfig:
-    """Weight sync trainer -> rollout engine (megatron_omni.sync, DESIGN.md decision 5)."""
+    """Weight sync trainer -> rollout engine (megatron_omni.sync, DESIGN.md decision 5).  A sync that fails
+    (an engine process died, the sync group broke) restarts the engine processes once and sends the whole
+    model again; a second failure in a row stops the run."""
 
     # in_process: the engine lives in each trainer rank (no transport); process: engine process(es) behind
     # a dedicated process group (nccl / hccl / gloo); colocated: one engine process on the trainer's device,
     # fed through shared memory (CUDA IPC on GPU)
     engine_placement: Literal["in_process", "process", "colocated"] = "in_process"
     num_engines: int = 1  # engine processes ("process" placement); requests are split evenly over them
-    mode: Literal["auto", "full", "merged"] = "auto"  # auto: merged when LoRA is on, else full
+    # what each sync sends.  full: the weights as the trainer holds them (no LoRA).  merged: LoRA folded
+    # in, W + alpha/r B A, the whole model every step (the engine has no adapters).  lora: the adapters
+    # only (~1% of the bytes); the engine wraps its own model in LoRA with the same rank / alpha / targets
+    # and is sent the trainer's base weights whole once, at the start and after an engine restart.
+    # auto: lora when lora.rank > 0 (the loop builds the engines, so they hold the trainer's base), else full
+    mode: Literal["auto", "full", "merged", "lora"] = "auto"
     bucket_mb: int = 1024  # flat byte buckets; 512-2048 MiB suits GPUs, tensors larger than one are chunked
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"  # auto: the trainer device's backend
     checksum: bool = False  # xxh3 per tensor: proves the engine holds exactly the trainer's weights
@@ -214,6 +221,18 @@ class SyncConfig:
         if self.engine_placement == "colocated" and self.num_engines != 1:
             raise ConfigError(f"sync.num_engines: {self.num_engines} with engine_placement=colocated; expected 1 "
                               f"(one engine process shares the trainer's device)")
+
+    def resolved_mode(self, lora_rank: int) -> str:
+        """The export mode of every step's sync ("auto" resolved); raises on a mode that cannot work."""
+        if self.mode == "auto":
+            return "lora" if lora_rank > 0 else "full"
+        if lora_rank == 0 and self.mode in ("lora", "merged"):
+            raise ConfigError(f"sync.mode: {self.mode} with lora.rank=0: there are no LoRA adapters to "
+                              f"{'send' if self.mode == 'lora' else 'merge'}; expected full or auto, or lora.rank > 0")
+        if lora_rank > 0 and self.mode == "full":
+            raise ConfigError(f"sync.mode: full with lora.rank={lora_rank} sends the frozen base only, so the engine "
+                              f"would never see the trained adapters; expected auto, lora or merged")
+        return self.mode
 
 
 @dataclass
@@ -237,6 +256,7 @@ class RunConfig:
         self.logging.validate()
         for section in (self.data, self.rollout, self.algorithm, self.reward, self.lora, self.sync):
             section.validate()
+        self.sync.resolved_mode(self.lora.rank)
         self._validate_split()
 
     def _validate_split(self) -> None:

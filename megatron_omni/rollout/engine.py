@@ -26,6 +26,7 @@ from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
+from model_specs.common.lora import base_parameters
 from model_specs.qwen_image.config import QwenImageConfig
 
 EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]  # prompts -> (emb [N,T,E], mask [N,T])
@@ -376,7 +377,7 @@ class EmbeddedEngine:
         load_into = getattr(weights, "load_into", None)
         if load_into is not None:
             return load_into(self)
-        params = dict(self.model.named_parameters())
+        params = base_parameters(self.model)
         rules = qwen_image_rules(self.arch)
         stager = _WeightStager(rules, params, self.arch.num_attention_heads, self.tp_rank, self.tp_size)
         for name, tensor in weights:
@@ -391,7 +392,7 @@ class EmbeddedEngine:
         """Per HF name: (the view of this rank's parameter that tensor fills, a function giving the matching
         view of the whole HF tensor); see ``checkpoints_convert.mapping.hf_views``.  Copy under
         ``writing_weights``."""
-        params, heads = dict(self.model.named_parameters()), self.arch.num_attention_heads
+        params, heads = base_parameters(self.model), self.arch.num_attention_heads
         out = {}
         for rule in qwen_image_rules(self.arch):
             out.update(hf_views(rule, params[rule.mcore].data, heads, self.tp_rank, self.tp_size))

@@ -29,7 +29,7 @@ from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.sync.broadcaster import Incoming
 from megatron_omni.sync.exporter import TensorMeta
 from megatron_omni.sync.stream import ALIGN, copy_groups, run_copies
-from model_specs.common.lora import load_peft_state_dict, lora_modules, peft_state_dict, target_name
+from model_specs.common.lora import base_parameters, load_peft_state_dict, lora_modules, peft_state_dict
 
 
 @dataclass
@@ -64,7 +64,7 @@ def expected_shapes(engine, mode: str) -> dict[str, tuple[int, ...]]:
     if mode == "lora":
         return {name: tuple(t.shape) for m in lora_modules(model).values()
                 for name, t, dim in _global_adapters(m)}
-    params = dict(model.named_parameters())
+    params = base_parameters(model)  # an engine with LoRA applied holds its base under .base
     rules = qwen_image_rules(engine.arch)
     glob = {r.mcore: tuple(s * (engine.tp_size if d == r.tp_dim else 1) for d, s in enumerate(params[r.mcore].shape))
             for r in rules}
@@ -259,5 +259,5 @@ def held(engine, mode: str) -> dict[str, torch.Tensor]:
     """The engine's tensors under the names the trainer sent (engine at TP=1)."""
     if mode == "lora":
         return peft_state_dict(engine.model)
-    params = {target_name(n): p for n, p in engine.model.named_parameters() if not n.endswith(("lora_A", "lora_B"))}
+    params = base_parameters(engine.model)
     return dict(hf_state_from_mcore(engine.arch, params.__getitem__))

@@ -13,7 +13,9 @@ channel (``SharedMemoryChannel``), whose two buffers are allocated once here.
 from __future__ import annotations
 
 import os
+import time
 import traceback
+from multiprocessing import connection
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -50,17 +52,23 @@ def _engine_main(index: int, factory: Callable, spec: ChannelSpec, conn, shm_con
     except BaseException:
         conn.send(("err", traceback.format_exc()))
         return
-    conn.send(("ok", None))  # the trainer joins the channel once every engine is built
-    if spec.placement == "colocated":
-        channel = SharedMemoryChannel(shm_conn, buffers, rank=1, timeout_s=spec.timeout_s)
-    else:  # on an accelerator the engine receives on its own device
-        device = spec.device if spec.device == "cpu" else next(engine.model.parameters()).device
-        channel = GroupChannel(spec.host, spec.port, spec.n_senders + index, spec.world_size, spec.backend, device,
-                               spec.timeout_s)
-    _serve(engine, channel, conn, spec.n_senders)
+    conn.send(("ok", None))
+    channel = SharedMemoryChannel(shm_conn, buffers, rank=1, timeout_s=spec.timeout_s) \
+        if spec.placement == "colocated" else None  # a sync group is joined at the first sync
+    _serve(engine, channel, spec, index, conn)
 
 
-def _serve(engine, channel, conn, n_senders: int) -> None:
+def _join(engine, spec: ChannelSpec, index: int) -> GroupChannel:
+    """The engine's end of the sync group.  Joined when the first sync starts, when every sender is
+    joining too: a group set up at spawn would keep the engine from serving (and time out) until then."""
+    device = torch.device("cpu") if spec.device == "cpu" else next(engine.model.parameters()).device  # its own
+    if device.type == "meta":  # a model held only as shapes (a benchmark's sink) still receives on its GPU:
+        device = torch.device(spec.device.split(":")[0], 0)  # NCCL cannot move meta tensors (that hung 2 H200s)
+    return GroupChannel(spec.host, spec.port, spec.n_senders + index, spec.world_size, spec.backend, device,
+                        spec.timeout_s)
+
+
+def _serve(engine, channel, spec: ChannelSpec, index: int, conn) -> None:
     while True:
         try:
             cmd, *args = conn.recv()
@@ -73,7 +81,8 @@ def _serve(engine, channel, conn, n_senders: int) -> None:
             if cmd == "generate":
                 result = engine.generate(args[0])
             elif cmd == "sync":
-                result = _receive(engine, channel, n_senders)
+                channel = channel or _join(engine, spec, index)
+                result = _receive(engine, channel, spec.n_senders)
             elif cmd in ("sleep", "wake"):
                 result = getattr(engine, cmd)()
             elif cmd == "held":  # the engine's tensors under the names of a sync mode (tests, checks)
@@ -96,14 +105,21 @@ def _receive(engine, channel, n_senders: int) -> dict:
                            lambda mode: engine_side.held(engine, mode))
 
 
+class EngineDied(SyncError):
+    """An engine process exited (crashed, killed) while the trainer waited for its answer."""
+
+
 class RemoteEngines:
     """Trainer-side handle of engine processes; ``generate`` splits requests evenly over them.  With
-    ``n_senders`` > 1 (pipeline stages) the other stages' senders join through ``StageSender(address)``."""
+    ``n_senders`` > 1 (pipeline stages) the other stages' senders join through ``StageSender(address)``.
+    After a failed sync (``SyncError``: an engine died, the group broke) ``restart()`` starts them again."""
 
-    def __init__(self, procs, conns, spec: ChannelSpec, timeout_s: float):
+    def __init__(self, procs, conns, spec: ChannelSpec, timeout_s: float, spawn_kwargs: dict):
         self.procs, self.conns, self.spec, self.timeout_s = procs, conns, spec, timeout_s
+        self.spawn_kwargs = spawn_kwargs  # what restart() spawns again
         self.channel = None
         self.address = (spec.host, spec.port)
+        self.broken: str | None = None  # why the engines must be restarted before further use
 
     @classmethod
     def spawn(cls, factory: Callable, n: int = 1, placement: str = "process", backend: str = "gloo",
@@ -112,6 +128,9 @@ class RemoteEngines:
               child_env: dict[str, str] | None = None) -> "RemoteEngines":
         """``child_env`` is set in the engine processes before anything in them starts CUDA, e.g.
         ``{"CUDA_VISIBLE_DEVICES": "1"}`` to put an engine on another GPU than the trainer's."""
+        kwargs = dict(factory=factory, n=n, placement=placement, backend=backend, timeout_s=timeout_s,
+                      bucket_bytes=bucket_bytes, device=device, start_timeout_s=start_timeout_s,
+                      n_senders=n_senders, child_env=child_env)
         if placement not in ("process", "colocated"):
             raise ValueError(f"engine placement {placement!r} is not one of ['process', 'colocated']")
         if placement == "colocated" and (n, n_senders) != (1, 1):
@@ -135,7 +154,7 @@ class RemoteEngines:
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        engines = cls(procs, conns, spec, timeout_s)
+        engines = cls(procs, conns, spec, timeout_s, kwargs)
         try:
             for i in range(n):
                 engines._reply(i, start_timeout_s, "start")
@@ -144,32 +163,47 @@ class RemoteEngines:
             raise
         if placement == "colocated":
             engines.channel = SharedMemoryChannel(shm[0], buffers, rank=0, timeout_s=timeout_s)
-        elif n_senders == 1:  # else at the first sync, when the other stages' senders join too
-            engines.channel = GroupChannel(spec.host, spec.port, 0, spec.world_size, backend, device, timeout_s)
         return engines
+
+    def restart(self) -> None:
+        """Stop the engine processes (whatever state they are in) and spawn them again on a new sync group
+        (``address`` changes: other stages' ``StageSender.reconnect`` it).  The new engines hold their
+        factory's weights: the next sync must send the whole model."""
+        self.close()
+        fresh = type(self).spawn(**self.spawn_kwargs)
+        self.__dict__.update(fresh.__dict__)
+
+    def _send_cmd(self, i: int, cmd: tuple) -> None:
+        if self.broken is not None:
+            raise SyncError(f"the engine processes need restart() after a failed sync ({self.broken})")
+        try:
+            self.conns[i].send(cmd)
+        except (OSError, ValueError) as e:  # BrokenPipeError: the process is gone
+            self.broken = f"engine process {i} is gone (exit code {self.procs[i].exitcode})"
+            raise EngineDied(f"{self.broken}; cannot send {cmd[0]!r}: {e!r}") from None
 
     def _reply(self, i: int, timeout_s: float, what: str):
         conn = self.conns[i]
-        if not conn.poll(timeout_s):
-            raise SyncError(f"engine process {i} did not answer {what!r} within {timeout_s} s")
         try:
+            if not conn.poll(timeout_s):
+                raise SyncError(f"engine process {i} did not answer {what!r} within {timeout_s} s")
             status, value = conn.recv()
-        except EOFError:
-            raise SyncError(f"engine process {i} died during {what!r} (exit code {self.procs[i].exitcode})") from None
+        except (EOFError, OSError):
+            raise EngineDied(f"engine process {i} died during {what!r} (exit code {self.procs[i].exitcode})") from None
         if status != "ok":
             raise SyncError(f"engine process {i} failed {what!r}: {value}")
         return value
 
     def _all(self, cmd: tuple, timeout_s: float | None = None) -> list:
-        for c in self.conns:
-            c.send(cmd)
+        for i in range(len(self.conns)):
+            self._send_cmd(i, cmd)
         return [self._reply(i, timeout_s or self.timeout_s, cmd[0]) for i in range(len(self.conns))]
 
     def generate(self, requests: Sequence) -> list:
         n = len(self.conns)
         chunks = [list(requests[i * len(requests) // n:(i + 1) * len(requests) // n]) for i in range(n)]
-        for c, chunk in zip(self.conns, chunks):
-            c.send(("generate", chunk))
+        for i, chunk in enumerate(chunks):
+            self._send_cmd(i, ("generate", chunk))
         out = []
         for i in range(n):
             out += self._reply(i, 24 * 3600, "generate")
@@ -177,21 +211,54 @@ class RemoteEngines:
 
     def sync(self, exporter: HFExporter, bucket_bytes: int = 1 << 30, checksum: bool = False) -> dict:
         """Push the exporter's tensors to every engine: as the only sender, or as stage 0's while the other
-        stages' ``StageSender.sync`` run at the same time."""
-        for c in self.conns:
-            c.send(("sync",))
-        if self.channel is None:
-            s = self.spec
-            self.channel = GroupChannel(s.host, s.port, 0, s.world_size, s.backend, s.device, s.timeout_s)
-        error, stats = _send(self.channel, 0, self.spec.n_senders, exporter, bucket_bytes, checksum)
+        stages' ``StageSender.sync`` run at the same time.  The first sync sets up the sync group."""
+        error, stats, told = None, {}, []
         for i in range(len(self.conns)):
             try:
-                self._reply(i, self.timeout_s + 30, "sync")
+                self._send_cmd(i, ("sync",))
+                told.append(i)
             except SyncError as e:
                 error = error or e
+        if error is None:
+            error, stats = self._stream(exporter, bucket_bytes, checksum)
+        else:
+            _drain(exporter.tensors())
+        error = self._sync_replies(told, error)
         if error is not None:
             raise error
         return stats
+
+    def _sync_replies(self, told: list[int], error: SyncError | None) -> SyncError | None:
+        """Every told engine's answer to "sync", or the first error.  Once an engine has died the others
+        are not waited for (they may wait in the broken group until its timeout): the engines are marked
+        broken, and only ``restart()`` makes them usable again."""
+        pending, deadline = set(told), time.monotonic() + self.timeout_s + 30
+        while pending:
+            ready = connection.wait([self.conns[i] for i in pending], max(0.0, deadline - time.monotonic()))
+            if not ready:  # hung: a late answer would be taken for the next command's
+                self.broken = f"engine process(es) {sorted(pending)} gave no answer to 'sync' in {self.timeout_s + 30} s"
+                return error or SyncError(self.broken)
+            for i in [i for i in pending if self.conns[i] in ready]:
+                pending.discard(i)
+                try:
+                    self._reply(i, 0, "sync")
+                except SyncError as e:
+                    error = error or e
+                    if isinstance(e, EngineDied):
+                        self.broken = str(e)
+            if self.broken is not None:
+                return error
+        return error
+
+    def _stream(self, exporter: HFExporter, bucket_bytes: int, checksum: bool):
+        if self.channel is None:
+            s = self.spec
+            try:
+                self.channel = GroupChannel(s.host, s.port, 0, s.world_size, s.backend, s.device, s.timeout_s)
+            except RuntimeError as e:  # an engine never joined (gloo / NCCL rendezvous timeout)
+                _drain(exporter.tensors())
+                return SyncError(f"weight sync: setting up the sync group failed: {str(e).splitlines()[0]}"), {}
+        return _send(self.channel, 0, self.spec.n_senders, exporter, bucket_bytes, checksum)
 
     def held(self, mode: str = "full") -> list[dict]:
         return self._all(("held", mode))
@@ -203,18 +270,23 @@ class RemoteEngines:
         self._all(("wake",))
 
     def close(self) -> None:
+        """Ask every engine process to exit; broken engines (one died in a sync) are killed at once, since
+        the others may be waiting in the broken sync group."""
         for i, c in enumerate(self.conns):
             try:
-                c.send(("close",))
-                self._reply(i, 10, "close")
+                if self.broken is None:
+                    c.send(("close",))
+                    self._reply(i, 10, "close")
             except (SyncError, OSError, EOFError):
                 pass
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=0 if self.broken else 10)
             if p.is_alive():
                 p.kill()
+                p.join()
         if self.channel is not None:
             self.channel.close()
+            self.channel = None
 
 
 def _send(channel, src: int, n_senders: int, exporter: HFExporter, bucket_bytes: int, checksum: bool):
@@ -225,11 +297,16 @@ def _send(channel, src: int, n_senders: int, exporter: HFExporter, bucket_bytes:
         return None, send_weights(channel, src, n_senders, exporter.plan(), tensors, bucket_bytes, exporter.mode,
                                   checksum)
     except Exception as e:
-        for _ in tensors:
-            pass
+        _drain(tensors)
         if isinstance(e, SyncError):
             return e, {}
         return SyncError(f"weight sync failed on the trainer: {type(e).__name__}: {e}"), {}
+
+
+def _drain(tensors) -> None:
+    """Run the exporter to its end without sending: the other TP ranks of the stage are in its gathers."""
+    for _ in tensors:
+        pass
 
 
 class StageSender:
@@ -243,31 +320,67 @@ class StageSender:
 
     def sync(self, exporter: HFExporter, bucket_bytes: int = 1 << 30, checksum: bool = False) -> dict:
         if self.channel is None:
-            self.channel = GroupChannel(*self.args)
+            try:
+                self.channel = GroupChannel(*self.args)
+            except RuntimeError as e:  # the group's rendezvous timed out
+                _drain(exporter.tensors())
+                raise SyncError(f"weight sync: stage {self.stage} could not join the sync group at "
+                                f"{self.args[:2]}: {str(e).splitlines()[0]}") from None
         error, stats = _send(self.channel, self.stage, self.n_senders, exporter, bucket_bytes, checksum)
         if error is not None:
             raise error
         return stats
 
+    def reconnect(self, address: tuple[str, int]) -> None:
+        """Join the sync group of restarted engines (``RemoteEngines.restart``) at the next sync."""
+        self.close()
+        self.args = (address[0], address[1], *self.args[2:])
+
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()
+            self.channel = None
 
 
 class Rank0Engine:
-    """The trainer ranks' view of engines that only trainer rank 0 drives: rank 0 generates, every rank
-    of ``group`` receives the trajectories (a broadcast of Python objects)."""
+    """The trainer ranks' view of engines that only trainer rank 0 drives: rank 0 generates and syncs,
+    every rank of ``group`` receives the trajectories and the sync's outcome (broadcasts of Python
+    objects), so that after a failed sync all of them restart and sync again together."""
 
     def __init__(self, engines: RemoteEngines | None, group=None):
         self.engines, self.group = engines, group
 
-    def generate(self, requests: Sequence) -> list:
+    def _from_rank0(self, value):
         import torch.distributed as dist
 
-        box = [self.engines.generate(requests) if self.engines is not None else None]
+        box = [value]
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.broadcast_object_list(box, src=0, group=self.group)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                       group=self.group)
         return box[0]
+
+    def generate(self, requests: Sequence) -> list:
+        return self._from_rank0(self.engines.generate(requests) if self.engines is not None else None)
+
+    def sync(self, exporter: HFExporter, bucket_bytes: int = 1 << 30, checksum: bool = False) -> dict:
+        """Rank 0 sends; the other ranks run their exporters (gathers over TP).  A ``SyncError`` on rank 0
+        is raised on every rank."""
+        stats, error = {}, None
+        if self.engines is None:
+            _drain(exporter.tensors())
+        else:
+            try:
+                stats = self.engines.sync(exporter, bucket_bytes, checksum)
+            except SyncError as e:
+                error = str(e)
+        error = self._from_rank0(error)
+        if error is not None:
+            raise SyncError(error)
+        return stats
+
+    def restart(self) -> None:
+        if self.engines is not None:
+            self.engines.restart()
 
     def close(self) -> None:
         if self.engines is not None:

@@ -6,7 +6,8 @@
         consistency  = recompute_log_probs(some trajectories) # ... re-scores rollout log-probs (decision 6)
         advantages   = group_advantages(rewards.result())
         train on (sample, trained step) micro-batches inside megatron-core's forward_backward_func
-        push_weights(engine, export(policy))                  # bucketed weight sync (megatron_omni.sync)
+        push_weights(engine, export(policy))                  # bucketed weight sync (megatron_omni.sync):
+                                                              # LoRA adapters only, or the whole model
         log, checkpoint
 
 Every random draw is a function of (seed, step, index), so a run resumed from a checkpoint continues
@@ -35,7 +36,7 @@ from megatron_omni.logging import RunLogger
 from megatron_omni.parallel.state import ParallelState
 from megatron_omni.rewards import AsyncRewardPool, build_reward
 from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, Trajectory
-from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, push_weights
+from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, SyncError, push_weights
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches
 from megatron_omni.trainer.mfu import device_peak_flops, step_flops
@@ -62,6 +63,8 @@ class FlowGRPORun:
     forward_step: Callable  # megatron forward_step_func computing the Flow-GRPO loss
     text_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     exporters: dict[tuple[str, int], HFExporter] = field(default_factory=dict)  # per (mode, bucket), reused
+    engine_has_base: bool = False  # "lora" syncs: the engine holds the trainer's base weights (sent once)
+    sync_restarts: int = 0  # engine restarts after failed syncs in this step's sync (logged)
 
 
 def request_seed(seed: int, step: int, index: int) -> int:
@@ -91,10 +94,27 @@ def export_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
 
 
 def push_policy_weights(run: "FlowGRPORun") -> dict:
-    """One weight sync, policy -> rollout engine(s), bucket by bucket (megatron_omni.sync)."""
-    s, module = run.cfg.sync, run.policy.module
-    mode = s.mode if s.mode != "auto" else ("merged" if lora_modules(module) else "full")
-    bucket = s.bucket_mb << 20
+    """One weight sync, policy -> rollout engine(s), bucket by bucket (megatron_omni.sync).  When it fails
+    (``SyncError``: an engine process died, the sync group broke) the engine processes are started again
+    once and sent the whole model; a second failure in a row is raised."""
+    try:
+        return _sync(run)
+    except SyncError as e:
+        if not isinstance(run.engine, Rank0Engine):  # an in-process engine cannot be started again
+            raise
+        print(f"warning: weight sync failed, restarting the rollout engine processes and syncing again: {e}")
+        run.engine.restart()
+        run.engine_has_base, run.sync_restarts = False, run.sync_restarts + 1
+        return _sync(run)
+
+
+def _sync(run: "FlowGRPORun") -> dict:
+    """The sync of ``sync.mode``; "lora" sends the trainer's base weights first while the engine lacks them."""
+    s = run.cfg.sync
+    mode, bucket = s.resolved_mode(run.cfg.lora.rank), s.bucket_mb << 20
+    if mode == "lora" and not run.engine_has_base:
+        push_weights(run.engine, _exporter(run, "full", bucket), bucket, s.checksum)
+        run.engine_has_base = True
     return push_weights(run.engine, _exporter(run, mode, bucket), bucket, s.checksum)
 
 
@@ -107,12 +127,19 @@ def _exporter(run: "FlowGRPORun", mode: str, bucket: int) -> HFExporter:
     return run.exporters[mode, bucket]
 
 
+def _apply_lora(module: QwenImageModel, cfg: RunConfig) -> None:
+    apply_lora(module, cfg.lora.rank, cfg.lora.alpha or cfg.lora.rank, cfg.lora.targets,
+               qwen_image_rules(module.arch), seed=cfg.train.seed)
+
+
 def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
     """The rollout engine of the run: in this process, or engine process(es) driven by trainer rank 0."""
     if cfg.sync.engine_placement == "in_process":
         arch, dtype = cfg.model.arch, DTYPES[cfg.model.dtype]
         model = QwenImageModel(arch, arch.transformer_config(1, params_dtype=dtype, perform_initialization=False),
                                state.tp_group, qwen_image_block_spec(cfg.model.backend)).to(state.torch_device)
+        if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync, the base once
+            _apply_lora(model, cfg)
         return EmbeddedEngine(model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs))
     engines = None
     if state.rank == 0:
@@ -149,8 +176,7 @@ def _initial_weights(cfg: RunConfig, state: ParallelState):
             folder = HFFolder(cfg.model.hf_path)
             module.load_state_dict(mcore_state_from_hf(module.arch, folder.get, state.tp_rank, state.tp), strict=False)
         if cfg.lora.rank > 0:
-            apply_lora(module, cfg.lora.rank, cfg.lora.alpha or cfg.lora.rank, cfg.lora.targets,
-                       qwen_image_rules(module.arch), seed=cfg.train.seed)
+            _apply_lora(module, cfg)
     return prepare
 
 
@@ -272,6 +298,7 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
     times["train_seconds"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
+    run.sync_restarts = 0
     push_policy_weights(run)
     times["sync_seconds"] = time.perf_counter() - t3
     step_seconds = time.perf_counter() - t0
@@ -279,7 +306,8 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
     metrics.update(_utilisation(cfg, run.task, trajs, step_seconds))
     metrics.update({f"{k}_std": float(v.std()) for k, v in scores.items()})
     metrics.update(zero_std_ratio=adv.zero_std_ratio, lr=cfg.train.lr, **train_metrics, **check, **times,
-                   step_seconds=step_seconds, images_per_second=len(trajs) / step_seconds)
+                   step_seconds=step_seconds, images_per_second=len(trajs) / step_seconds,
+                   sync_restarts=run.sync_restarts)
     return {"metrics": metrics, "images": images}
 
 

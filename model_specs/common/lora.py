@@ -225,18 +225,26 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, targets: Sequenc
     """Freeze every parameter of ``model``, then wrap the linears ``targets`` select (through the mapping
     table ``rules``) in trainable ``LoRALinear``s.  Returns them by Megatron module name.
 
-    Build DDP / the optimizer after this call so they see only the adapters as trainable.
+    Build DDP / the optimizer after this call so they see only the adapters as trainable.  A pipeline
+    stage holds only its own blocks (named by global index): targets that live on other stages are
+    theirs to wrap.
     """
     if lora_modules(model):
         raise ValueError("apply_lora: the model already has LoRA adapters; merge_lora() it first")
     model.requires_grad_(False)
     head_dim = model.config.kv_channels
+    held = dict(model.named_modules())
     wrapped = {}
     for target in resolve_targets(rules, targets):
         parent_name, _, child = target.mcore.rpartition(".")
+        if target.mcore not in held:
+            continue
         parent = model.get_submodule(parent_name)
         wrapped[target.mcore] = LoRALinear(getattr(parent, child), target, rank, alpha, head_dim, seed)
         setattr(parent, child, wrapped[target.mcore])
+    if not wrapped:
+        raise ValueError(f"apply_lora: none of the linears {targets} select is in this model (or stage); "
+                         f"expected the family's mapping table for this model")
     return wrapped
 
 
@@ -247,6 +255,12 @@ def lora_modules(model: torch.nn.Module) -> dict[str, LoRALinear]:
 def target_name(module_name: str) -> str:
     """A module name with LoRA's ``.base`` hops removed: the name in the plain model."""
     return module_name.replace(".base.", ".").removesuffix(".base")
+
+
+def base_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters under the plain model's names (``.base`` hops removed), adapters left out:
+    what the mapping table names, with or without LoRA applied."""
+    return {target_name(n): p for n, p in model.named_parameters() if not n.endswith((".lora_A", ".lora_B"))}
 
 
 @contextlib.contextmanager

@@ -1,13 +1,23 @@
-"""The FlowGRPO loop with its rollout engine in a separate process (sync.engine_placement=process): the
-weights cross a gloo group every step, and the run is the in-process run bit for bit."""
+"""The FlowGRPO loop's weight sync: merged LoRA or adapters only (sync.mode), the engine in this process or
+in engine processes (sync.engine_placement=process, a gloo group), and recovery when an engine process
+dies in the middle of a sync.  The runs are tiny LoRA runs of 2 steps, compared on their metrics."""
 import json
+import math
 
+import pytest
 import torch
 
 from megatron_omni.config import load_config
 from megatron_omni.data.tasks import build_task
+from megatron_omni.sync import HFExporter, SyncError, engine_side, push_weights
+from megatron_omni.trainer import flow_grpo
 from megatron_omni.trainer.flow_grpo import train
+from model_specs.common.lora import peft_state_dict
+from tests.sync.workers import differing
 from tests.trainer.test_flow_grpo import TIMING, TINY
+
+LORA_RUN = TINY + ["train.steps=2", "lora.rank=4"]
+PROCESS = ["sync.engine_placement=process", "sync.bucket_mb=1", "sync.checksum=true", "sync.timeout_s=60"]
 
 
 def _metrics(run_dir):
@@ -15,13 +25,91 @@ def _metrics(run_dir):
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
 
 
-def test_engine_in_a_separate_process_gives_the_same_run(tmp_path, single_rank):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, single_rank):
+    """name -> (run, metrics, export mode of each sync), each run once per module."""
     torch.set_num_threads(1)  # the engine process computes with one thread: so does the in-process engine here
+    task, done = build_task("digits"), {}
+
+    def get(name, overrides):
+        if name not in done:
+            run_dir, modes = tmp_path_factory.mktemp(name), []
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(flow_grpo, "push_weights", lambda e, x, *a: modes.append(x.mode) or push_weights(e, x, *a))
+                run, _ = train(load_config("digits_flow_grpo", None, LORA_RUN + overrides), single_rank, task, run_dir)
+            done[name] = (run, _metrics(run_dir), modes)
+        return done[name]
+    return get
+
+
+def test_merged_sync_with_an_engine_process_gives_the_in_process_run(runs):
+    _, in_process, modes = runs("merged", ["sync.mode=merged"])
+    _, process, _ = runs("merged_process", ["sync.mode=merged"] + PROCESS)
+    assert modes == ["merged"] * 3  # the whole model at every sync (start, after each step)
+    assert process == in_process  # bit for bit: the weights cross the gloo group unchanged
+
+
+def test_lora_sync_sends_the_base_once_then_adapters_only(runs):
+    run, lora, modes = runs("lora", ["sync.mode=lora"])
+    assert modes == ["full", "lora", "lora", "lora"]  # the base once at the start, then the adapters each sync
+    # the engine holds the trainer's base weights and its adapters, bit for bit
+    base = HFExporter(run.policy.module, run.policy.state.tp_group, mode="full").tensors()
+    assert differing(engine_side.held(run.engine, "full"), {n: t.clone() for n, t in base}) == []
+    assert differing(engine_side.held(run.engine, "lora"), peft_state_dict(run.policy.module)) == []
+    # engine processes: "auto" is "lora" with LoRA on, and the run is the in-process one bit for bit
+    _, process, modes = runs("lora_process", PROCESS)
+    assert modes == ["full", "lora", "lora", "lora"] and process == lora
+    # against merged weights: step 0 is the same bit for bit (B = 0).  After an update the engine computes
+    # W x + (alpha/r) B (A x), as the trainer does; a merged engine computes (W + alpha/r B A) x: the same
+    # up to float32 rounding, so the runs agree closely but not bit for bit
+    _, merged, _ = runs("merged", ["sync.mode=merged"])
+    assert lora[0] == merged[0]
+    for key, value in merged[1].items():
+        assert math.isclose(lora[1][key], value, rel_tol=1e-4, abs_tol=1e-6), (key, lora[1][key], value)
+
+
+class _KillsAnEngine:
+    """An exporter that kills engine process ``proc`` after yielding 3 tensors: an engine that dies in the
+    middle of a sync (its peers see a closed connection, as after a crash)."""
+
+    def __init__(self, exporter, proc):
+        self.inner, self.proc = exporter, proc
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def tensors(self):
+        for i, pair in enumerate(self.inner.tensors()):
+            if i == 3:
+                self.proc.kill()
+                self.proc.join()
+            yield pair
+
+
+def _dying_at(monkeypatch, calls: set[int]):
+    """Sync number n (1-based) in ``calls`` loses its engine process midway."""
+    count = [0]
+
+    def push(engines, exporter, *args):
+        count[0] += 1
+        if count[0] in calls:
+            exporter = _KillsAnEngine(exporter, engines.engines.procs[0])
+        return push_weights(engines, exporter, *args)
+    monkeypatch.setattr(flow_grpo, "push_weights", push)
+
+
+def test_engine_dying_mid_sync_is_restarted_and_the_run_goes_on(runs, monkeypatch, tmp_path, single_rank):
+    _, lora, _ = runs("lora", ["sync.mode=lora"])
     task = build_task("digits")
-    tiny = TINY + ["train.steps=2", "lora.rank=4"]
-    train(load_config("digits_flow_grpo", None, tiny), single_rank, task, tmp_path / "in_process")
-    cfg = load_config("digits_flow_grpo", None, tiny + ["sync.engine_placement=process", "sync.bucket_mb=1",
-                                                       "sync.checksum=true", "sync.timeout_s=60"])
-    _, done = train(cfg, single_rank, task, tmp_path / "process")
-    assert all(m["sync_seconds"] > 0 for m in done)
-    assert _metrics(tmp_path / "process") == _metrics(tmp_path / "in_process")
+    cfg = load_config("digits_flow_grpo", None, LORA_RUN + PROCESS + ["sync.timeout_s=20"])
+    # syncs: 1 base, 2 adapters (start); 3 adapters after step 0: the engine dies; restart, 4 base, 5 adapters
+    _dying_at(monkeypatch, {3})
+    _, done = train(cfg, single_rank, task, tmp_path / "recovered")
+    assert [m["sync_restarts"] for m in done] == [1, 0]
+    # the restarted engines got the base again, then the adapters: the run is the undisturbed one
+    recovered = _metrics(tmp_path / "recovered")
+    assert [{**m, "sync_restarts": 0} for m in recovered] == lora
+    # a second failure in a row (the re-sync after the restart) is raised
+    _dying_at(monkeypatch, {3, 4})
+    with pytest.raises(SyncError):
+        train(cfg, single_rank, task, tmp_path / "failed")

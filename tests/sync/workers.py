@@ -1,5 +1,6 @@
-"""Module-level functions the weight-sync tests run in other processes: engine factories and the
-TP=2 trainer.  Engines start from their own random init, so only a working sync makes them equal."""
+"""Module-level functions the weight-sync tests run in other processes: engine factories, the TP=2
+trainer and the real pipeline-parallel trainer.  Engines start from their own random init, so only a
+working sync makes them equal."""
 from __future__ import annotations
 
 import os
@@ -21,7 +22,8 @@ TIMEOUT_S = 8.0  # sync-group timeout: how long a dead peer may keep the others 
 
 
 class DyingEngine(EmbeddedEngine):
-    """Exits the process in the middle of a sync (after 3 tensors) once ``die_file`` exists."""
+    """Exits the process in the middle of a sync (after 3 tensors) once ``die_file`` exists, removing
+    the file first: it dies once, and an engine started again syncs normally."""
 
     die_file: str | None = None
 
@@ -29,6 +31,7 @@ class DyingEngine(EmbeddedEngine):
         if self.die_file and os.path.exists(self.die_file):
             for i, _ in enumerate(weights):
                 if i == 3:
+                    os.remove(self.die_file)
                     os._exit(17)
         return super().load_weights(weights)
 
@@ -50,14 +53,20 @@ def trainer_model(tp_group, tp_rank: int, tp_size: int, lora: bool = True) -> Qw
     torch.manual_seed(1)
     model = QwenImageModel(ARCH, ARCH.transformer_config(tp_size), tp_group)
     if lora:
-        apply_lora(model, LORA["rank"], LORA["alpha"], FLOW_GRPO_TARGETS, qwen_image_rules(ARCH), seed=3)
-        for name, m in lora_modules(model).items():
-            g = torch.Generator().manual_seed(len(name) * 7919 + sum(map(ord, name)))
-            full = torch.randn(m.lora_B.shape[0], m.lora_B.shape[1] * (tp_size if m.kind == "column" else 1),
-                               m.lora_B.shape[2], generator=g)
-            with torch.no_grad():
-                m.lora_B.copy_(full.chunk(tp_size, 1)[tp_rank] if m.kind == "column" else full)
+        add_adapters(model, tp_rank, tp_size)
     return model
+
+
+def add_adapters(model: QwenImageModel, tp_rank: int, tp_size: int) -> None:
+    """LoRA adapters with a non-zero B drawn per module name over the whole (global) shape: the same
+    adapters at every TP and PP layout."""
+    apply_lora(model, LORA["rank"], LORA["alpha"], FLOW_GRPO_TARGETS, qwen_image_rules(ARCH), seed=3)
+    for name, m in lora_modules(model).items():
+        g = torch.Generator().manual_seed(len(name) * 7919 + sum(map(ord, name)))
+        full = torch.randn(m.lora_B.shape[0], m.lora_B.shape[1] * (tp_size if m.kind == "column" else 1),
+                           m.lora_B.shape[2], generator=g)
+        with torch.no_grad():
+            m.lora_B.copy_(full.chunk(tp_size, 1)[tp_rank] if m.kind == "column" else full)
 
 
 class WrongShape:
@@ -149,4 +158,111 @@ def two_stage_senders(state) -> dict:
         out["equal"] = [_same(h, ref) for h in engines.held("full")]
         out["all"] = sorted(ref)
     sender.close()
+    return out
+
+
+# ---- the real pipeline-parallel trainer -------------------------------------------------------------------
+
+PP_LAYOUTS = ((1, 2), (2, 2))  # (tp, pp) on 4 ranks; at tp=1 the second data-parallel replica sits out
+
+
+def pp_trainer(ref_hf: dict) -> dict:
+    """Both layouts in one launch.  Stage 0's sender (TP rank 0 of replica 0) drives two engine processes
+    (``RemoteEngines``), stage 1's joins them (``StageSender``); the same two processes send at both
+    layouts, so the engines and the sync group are set up once."""
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+
+    out, link, link_stage = {}, None, None
+    for tp, pp in PP_LAYOUTS:
+        state = init_parallel(tp=tp, pp=pp, seed=0, device="cpu")
+        if state.dp_rank == 0:
+            sender = state.tp_rank == 0
+            if sender and link is None:
+                link, link_stage = _pp_link(state), state.pp_rank
+            if sender and link_stage != state.pp_rank:
+                raise RuntimeError(f"rank {state.rank} sends for stage {link_stage}, now is on stage {state.pp_rank}")
+            out[(tp, pp)] = _pp_cases(state, ref_hf, link if sender else None)
+        destroy_parallel(keep_default_group=True)
+    if link is not None:
+        link.close()
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def _pp_link(state):
+    """Stage 0 spawns the engines; their address reaches stage 1 over the trainer's pipeline group."""
+    import torch.distributed as dist
+
+    engines = RemoteEngines.spawn(make_engine, n=2, timeout_s=TIMEOUT_S, n_senders=2) if state.pp_rank == 0 else None
+    box = [engines.address if engines is not None else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(state.pp_group, 0), group=state.pp_group)
+    return engines if engines is not None else StageSender(box[0], 1, 2, 2, timeout_s=TIMEOUT_S)
+
+
+def pp_stage_model(state, ref_hf: dict) -> QwenImageModel:
+    """This rank's pipeline stage, built as the trainer builds it (only its blocks), loaded with the HF
+    reference weights through the mapping table, with the adapters of ``add_adapters``."""
+    from checkpoints_convert.convert import mcore_state_from_hf
+    from megatron_omni.trainer.policy import build_chunks, policy_transformer_config
+
+    (model,) = build_chunks(ARCH, state, policy_transformer_config(ARCH, state, torch.float32))
+    own = model.state_dict()
+    wanted = {k: v for k, v in mcore_state_from_hf(ARCH, ref_hf.__getitem__, state.tp_rank, state.tp).items()
+              if k in own}
+    missing = model.load_state_dict(wanted, strict=False).missing_keys
+    if [k for k in missing if not k.endswith("_extra_state")]:
+        raise RuntimeError(f"stage {state.pp_rank} has tensors the HF reference does not: {missing}")
+    add_adapters(model, state.tp_rank, state.tp)
+    return model
+
+
+def merged_reference(ref_hf: dict, adapters: dict) -> dict:
+    """W + (alpha / r) B A per adapted HF module, from the HF weights and the peft-named adapters."""
+    out = dict(ref_hf)
+    for name, a in adapters.items():
+        if name.endswith(".lora_A.weight"):
+            module = name.removesuffix(".lora_A.weight")
+            delta = (adapters[f"{module}.lora_B.weight"] @ a) * (LORA["alpha"] / LORA["rank"])
+            out[f"{module}.weight"] = ref_hf[f"{module}.weight"] + delta
+    return out
+
+
+def differing(held: dict, ref: dict) -> list[str]:
+    """Names missing on one side or not bit-equal."""
+    unequal = {n for n in held.keys() & ref.keys() if not torch.equal(held[n], ref[n])}
+    return sorted((held.keys() ^ ref.keys()) | unequal)
+
+
+def _pp_cases(state, ref_hf: dict, sender) -> dict:
+    """full (64 KiB buckets), merged (16 KiB: smaller than the largest tensor) and a wrong shape in stage
+    1's plan; every sync with checksums.  Rank 0 compares what the engines hold with the references."""
+    import torch.distributed as dist
+
+    from model_specs.common.lora import peft_state_dict
+
+    model = pp_stage_model(state, ref_hf)
+    stages = [None] * state.pp
+    dist.all_gather_object(stages, peft_state_dict(model), group=state.pp_group)  # peft_state_dict: TP collective
+    refs = {"full": ref_hf, "merged": merged_reference(ref_hf, {k: v for s in stages for k, v in s.items()})}
+    engines = sender if state.rank == 0 else None
+    out = {"before": [differing(h, ref_hf) != [] for h in engines.held("full")] if engines else None}
+
+    def push(mode, bucket, wrong=False):
+        exporter = HFExporter(model, state.tp_group, state.pp_group, mode=mode, bucket_bytes=bucket)
+        out.setdefault("plan", {})[mode] = [m.name for m in exporter.plan()]
+        wrap = wrong and sender is not None and state.pp_rank == 1
+        return push_weights(sender, WrongShape(exporter) if wrap else exporter, bucket, checksum=True)
+
+    for mode, bucket in (("full", 64 << 10), ("merged", 16 << 10)):
+        out[mode] = push(mode, bucket)
+        if engines is not None:
+            out[mode]["differing"] = [differing(h, refs[mode]) for h in engines.held("full")]
+            out[mode]["largest"] = max(t.numel() * t.element_size() for t in refs[mode].values())
+    try:
+        push("full", 64 << 10, wrong=True)
+        out["wrong_shape"] = "accepted"
+    except SyncError as e:
+        out["wrong_shape"] = str(e)
+    if engines is not None:  # still the merged weights of the sync before
+        out["unchanged"] = [differing(h, refs["merged"]) for h in engines.held("full")]
     return out
