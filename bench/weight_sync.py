@@ -117,8 +117,9 @@ def run_case(name: str, args, arch, state, trainer_model, load: str) -> dict:
 def _phases(stats: dict) -> dict[str, float]:
     """Where one sync's time went.  Seen from the sender: metadata (plan, or its digest, + status round),
     pack + send (export, fused packing, hand-over of the buckets, overlapped with the engine copying out
-    of them), finish (the engine ending its load + checksums + status).  Seen from the engine, when the
-    engines report it: receiver load (from its first bucket to its load's end)."""
+    of them), finish (the engine ending its load + checksums + status).  Seen from the engine: receiver
+    load, from the end of its metadata round to the end of its load; it includes waiting for the buckets,
+    so it overlaps pack + send, and its excess over pack + send is the engine's own tail (LoRA: the commit)."""
     seconds = stats.get("seconds", {})
     out = {"metadata": seconds.get("metadata", float("nan")), "pack+send": seconds.get("stream", float("nan")),
            "finish": seconds.get("finish", float("nan"))}

@@ -223,15 +223,16 @@ class RemoteEngines:
             error, stats = self._stream(exporter, bucket_bytes, checksum)
         else:
             _drain(exporter.tensors())
-        error = self._sync_replies(told, error)
+        receipts: dict[int, dict] = {}
+        error = self._sync_replies(told, error, receipts)
         if error is not None:
             raise error
-        return stats
+        return {**stats, "engines": [receipts[i] for i in sorted(receipts)]}  # each engine's own timings
 
-    def _sync_replies(self, told: list[int], error: SyncError | None) -> SyncError | None:
-        """Every told engine's answer to "sync", or the first error.  Once an engine has died the others
-        are not waited for (they may wait in the broken group until its timeout): the engines are marked
-        broken, and only ``restart()`` makes them usable again."""
+    def _sync_replies(self, told: list[int], error: SyncError | None, receipts: dict) -> SyncError | None:
+        """Every told engine's answer to "sync" (into ``receipts``: its own timings), or the first error.
+        Once an engine has died the others are not waited for (they may wait in the broken group until its
+        timeout): the engines are marked broken, and only ``restart()`` makes them usable again."""
         pending, deadline = set(told), time.monotonic() + self.timeout_s + 30
         while pending:
             ready = connection.wait([self.conns[i] for i in pending], max(0.0, deadline - time.monotonic()))
@@ -241,7 +242,7 @@ class RemoteEngines:
             for i in [i for i in pending if self.conns[i] in ready]:
                 pending.discard(i)
                 try:
-                    self._reply(i, 0, "sync")
+                    receipts[i] = self._reply(i, 0, "sync")
                 except SyncError as e:
                     error = error or e
                     if isinstance(e, EngineDied):
