@@ -1,6 +1,7 @@
 """Weight sync from the real pipeline-parallel trainer (each rank builds only its stage) to two engine
 processes over a gloo group: stage 0 drives the engines, stage 1 joins as a second sender.  PP=2 and
-TP=2 x PP=2 on 4 ranks, one launch; the engines must end up with the HF weights bit for bit."""
+TP=2 x PP=2 on 4 ranks, one launch; the engines must end up with the HF weights bit for bit, also
+after they are restarted."""
 from megatron_omni.parallel.testing import run_distributed
 from tests.qwen_image_reference import diffusers_reference
 from tests.sync.workers import ARCH, PP_LAYOUTS, pp_trainer
@@ -24,8 +25,10 @@ def test_pp_trainer_to_two_engines():
             assert sorted(plans) == sorted(ref) and len(plans) == 77, layout
         assert all(n.startswith("transformer_blocks.1.") or not n.startswith("transformer_blocks")
                    for n in stage1["plan"]["full"])
+        assert out["adapted"] == 24  # W + alpha/r B A differs from W in each adapted weight (12 per block)
         # a bucket smaller than the largest tensor: tensors are chunked over buckets
-        assert out["merged"]["largest"] > 16 << 10 and out["merged"]["buckets"] > 77
+        assert out["merged"]["largest"] > 16 << 10
+        assert all(side["merged"]["buckets"] > side["merged"]["tensors"] for side in (out, stage1))
         # a wrong shape in stage 1's plan is refused by both engines (sync ranks 2 and 3), before any
         # byte moves, on both senders; the engines keep the weights of the sync before
         for side in (out, stage1):
@@ -34,3 +37,7 @@ def test_pp_trainer_to_two_engines():
                 assert f"sync rank {rank}: tensor 'norm_out.linear.weight' has shape (255, 128); the engine " \
                        f"expects (256, 128)" in msg, (layout, msg)
         assert out["unchanged"] == [[], []], layout
+    # engines restarted (as after a failed sync) start from other weights on a new group; stage 1
+    # reconnects to its address, and the next full sync gives them the HF weights again
+    restarted = per_rank[0][PP_LAYOUTS[-1]]["restarted"]
+    assert restarted["before"] == [True, True] and restarted["differing"] == [[], []]

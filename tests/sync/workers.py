@@ -181,7 +181,7 @@ def pp_trainer(ref_hf: dict) -> dict:
                 link, link_stage = _pp_link(state), state.pp_rank
             if sender and link_stage != state.pp_rank:
                 raise RuntimeError(f"rank {state.rank} sends for stage {link_stage}, now is on stage {state.pp_rank}")
-            out[(tp, pp)] = _pp_cases(state, ref_hf, link if sender else None)
+            out[(tp, pp)] = _pp_cases(state, ref_hf, link if sender else None, restart=(tp, pp) == PP_LAYOUTS[-1])
         destroy_parallel(keep_default_group=True)
     if link is not None:
         link.close()
@@ -233,9 +233,22 @@ def differing(held: dict, ref: dict) -> list[str]:
     return sorted((held.keys() ^ ref.keys()) | unequal)
 
 
-def _pp_cases(state, ref_hf: dict, sender) -> dict:
-    """full (64 KiB buckets), merged (16 KiB: smaller than the largest tensor) and a wrong shape in stage
-    1's plan; every sync with checksums.  Rank 0 compares what the engines hold with the references."""
+def _restart_link(state, link) -> None:
+    """The engines started again (as after a failed sync): a new group, whose address stage 1 is sent."""
+    import torch.distributed as dist
+
+    if state.pp_rank == 0:
+        link.restart()
+    box = [link.address if state.pp_rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(state.pp_group, 0), group=state.pp_group)
+    if state.pp_rank == 1:
+        link.reconnect(box[0])
+
+
+def _pp_cases(state, ref_hf: dict, sender, restart: bool = False) -> dict:
+    """full (64 KiB buckets), merged (16 KiB: smaller than the largest tensor), a wrong shape in stage 1's
+    plan, and with ``restart`` a full sync to restarted engines; every sync with checksums.  Rank 0
+    compares what the engines hold with the references."""
     import torch.distributed as dist
 
     from model_specs.common.lora import peft_state_dict
@@ -265,4 +278,12 @@ def _pp_cases(state, ref_hf: dict, sender) -> dict:
         out["wrong_shape"] = str(e)
     if engines is not None:  # still the merged weights of the sync before
         out["unchanged"] = [differing(h, refs["merged"]) for h in engines.held("full")]
+        out["adapted"] = len(differing(refs["merged"], ref_hf))  # tensors the merge changed
+    if restart:
+        if sender is not None:
+            _restart_link(state, sender)
+        out["restarted"] = {"before": [differing(h, ref_hf) != [] for h in engines.held("full")] if engines else None}
+        out["restarted"].update(push("full", 64 << 10))
+        if engines is not None:
+            out["restarted"]["differing"] = [differing(h, ref_hf) for h in engines.held("full")]
     return out
