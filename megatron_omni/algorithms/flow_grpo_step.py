@@ -88,16 +88,24 @@ def _pad_text(txt_BTE: torch.Tensor, mask_BT: torch.Tensor | None, length: int):
             torch.nn.functional.pad(mask_BT, (0, pad), value=False))
 
 
-def model_inputs(mb: FlowGRPOMicroBatch) -> tuple:
+def model_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None) -> tuple:
     """(img, txt, sigma, img_fhw, mask) for one forward; with CFG the uncond rows follow the cond rows
-    ([2B, ...]), text padded to the longer of the two (padding is masked out of attention)."""
+    ([2B, ...]), text padded to the longer of the two (padding is masked out of attention).
+
+    ``dtype``: the model's parameter dtype; image tokens and text are cast to it as the rollout engine
+    casts them (the float32 latents of a bf16 rollout), so the model sees the very values it sampled with.
+    The loss keeps ``mb.x_t`` in float32."""
     if not mb.has_cfg:
-        return mb.x_t, mb.txt, mb.t, mb.img_fhw, mb.txt_mask
-    length = max(mb.txt.shape[1], mb.uncond_txt.shape[1])
-    txt_c, mask_c = _pad_text(mb.txt, mb.txt_mask, length)
-    txt_u, mask_u = _pad_text(mb.uncond_txt, mb.uncond_mask, length)
-    return (torch.cat([mb.x_t, mb.x_t]), torch.cat([txt_c, txt_u]), torch.cat([mb.t, mb.t]), mb.img_fhw,
-            torch.cat([mask_c, mask_u]))
+        img, txt, sigma, mask = mb.x_t, mb.txt, mb.t, mb.txt_mask
+    else:
+        length = max(mb.txt.shape[1], mb.uncond_txt.shape[1])
+        txt_c, mask_c = _pad_text(mb.txt, mb.txt_mask, length)
+        txt_u, mask_u = _pad_text(mb.uncond_txt, mb.uncond_mask, length)
+        img, txt, sigma, mask = (torch.cat([mb.x_t, mb.x_t]), torch.cat([txt_c, txt_u]), torch.cat([mb.t, mb.t]),
+                                 torch.cat([mask_c, mask_u]))
+    if dtype is not None:
+        img, txt = img.to(dtype), txt.to(dtype)
+    return img, txt, sigma, mb.img_fhw, mask
 
 
 def guided_velocity(out_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> torch.Tensor:
@@ -139,7 +147,7 @@ def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | 
 
     def forward_step(data_iterator: Iterator[FlowGRPOMicroBatch], model: torch.nn.Module):
         mb = next(data_iterator)
-        inputs = model_inputs(mb)
+        inputs = model_inputs(mb, model.config.params_dtype)
         output = model(*inputs)
         ref_out = None
         if config.kl_beta > 0:

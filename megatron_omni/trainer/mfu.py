@@ -3,12 +3,26 @@
 The peak is the measured bf16 matrix rate of the device (BENCHMARKS.md: 792 TFLOP/s on an H200; the
 H100 has the same tensor cores).  Where no peak is known (CPUs, other GPUs, fp32 runs) only the
 achieved TFLOP/s is reported.
+
+FLOPs come from one counter per model family (``model_specs/<family>/flops.py``), looked up by the
+family's architecture config (``forward_flops``).  A step's FLOPs count the work the algorithm needs,
+so that the MFU of two implementations compares their speed: a trained row is a forward plus a backward
+that computes activation gradients (about one forward) and weight gradients (another, skipped for a
+frozen base under LoRA); the uncond branch of true CFG needs a forward and no backward.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from model_specs.qwen_image.config import QwenImageConfig
+from model_specs.qwen_image.flops import forward_flops as qwen_image_forward_flops
+
 MEASURED_BF16_PEAK = {"H200": 792e12, "H100": 792e12}
+
+# family config class -> forward FLOPs (arch, batch, image_tokens, text_tokens)
+FORWARD_FLOPS: dict[type, Callable[..., float]] = {QwenImageConfig: qwen_image_forward_flops}
 
 
 def device_peak_flops(dtype: torch.dtype) -> float | None:
@@ -18,8 +32,42 @@ def device_peak_flops(dtype: torch.dtype) -> float | None:
     return next((peak for key, peak in MEASURED_BF16_PEAK.items() if key in name), None)
 
 
+def forward_flops(arch, batch: int, image_tokens: int, text_tokens: int) -> float:
+    """FLOPs of one forward of ``arch``'s model family over ``batch`` rows."""
+    counter = FORWARD_FLOPS.get(type(arch))
+    if counter is None:
+        raise ValueError(f"no FLOP counter for {type(arch).__name__}; expected one of "
+                         f"{[c.__name__ for c in FORWARD_FLOPS]} (register it in FORWARD_FLOPS)")
+    return counter(arch, batch, image_tokens, text_tokens)
+
+
+def _backward_forwards(frozen_base: bool) -> int:
+    """A backward in forward-equivalents: activation gradients, plus weight gradients unless frozen."""
+    return 1 if frozen_base else 2
+
+
 def step_flops(forward_flops_per_row: float, rollout_rows: int, check_rows: int, train_rows: int,
-               extra_forward_rows: int = 0) -> float:
-    """Rollout and log-prob check are forwards; a trained row is a forward and a backward (about two
-    forwards); extra forward rows are CFG uncond branches and reference passes done under no_grad."""
-    return forward_flops_per_row * (rollout_rows + check_rows + 3 * train_rows + extra_forward_rows)
+               extra_forward_rows: int = 0, frozen_base: bool = False) -> float:
+    """Rollout and log-prob check are forwards; a trained row is a forward and a backward; extra forward
+    rows are CFG uncond branches and reference passes done under no_grad."""
+    per_train_row = 1 + _backward_forwards(frozen_base)
+    return forward_flops_per_row * (rollout_rows + check_rows + per_train_row * train_rows + extra_forward_rows)
+
+
+def flow_grpo_flops(forward_flops_per_row: float, *, samples: int, rollout_steps: int, trained_pairs: int,
+                    cfg: bool, frozen_base: bool, check_pairs: int = 0) -> dict[str, float]:
+    """FLOPs of one FlowGRPO step by phase.  rollout: every sample's steps, two rows each with true CFG;
+    train: per (sample, step) pair the cond forward and backward, and the uncond forward with CFG;
+    check: the trainer's log-prob recomputation of ``check_pairs`` pairs (forwards)."""
+    rows = 2 if cfg else 1
+    return {"rollout": forward_flops_per_row * samples * rollout_steps * rows,
+            "train": forward_flops_per_row * trained_pairs * (rows + _backward_forwards(frozen_base)),
+            "check": forward_flops_per_row * check_pairs * rows}
+
+
+def utilisation(flops: float, seconds: float, peak: float | None) -> dict[str, float]:
+    """{"tflops_per_second": ...} and, where the peak is known, {"mfu": ...}."""
+    out = {"tflops_per_second": flops / seconds / 1e12}
+    if peak:
+        out["mfu"] = flops / seconds / peak
+    return out

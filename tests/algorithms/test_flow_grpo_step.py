@@ -152,3 +152,21 @@ def test_full_model_float32_matches_plain_autograd(single_rank):
 def test_kl_needs_a_reference():
     with pytest.raises(ValueError, match="kl_beta=0.1 needs a reference policy"):
         flow_grpo_forward_step(FlowGRPOLossConfig(kl_beta=0.1))
+
+
+def test_bf16_model_takes_float32_rollout_latents(single_rank):
+    """A bf16 policy trains on the float32 latents a bf16 rollout keeps: the step casts the model's inputs
+    to its dtype as the engine does, and keeps x_t in float32 for the SDE mean."""
+    arch = tiny_config()
+    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group, dtype=torch.bfloat16)
+    mbs = _micro_batches(model.float(), arch, count=2)  # float32 micro-batches, scored by the float32 copy
+    model.bfloat16()
+    with cuda_factories_on_cpu():
+        collected = get_forward_backward_func()(
+            forward_step_func=flow_grpo_forward_step(FlowGRPOLossConfig()), data_iterator=iter(mbs), model=model,
+            num_microbatches=len(mbs), seq_length=1, micro_batch_size=2, forward_only=True, collect_non_loss_data=True)
+    with torch.no_grad():
+        for mb, out in zip(mbs, collected):
+            assert mb.x_t.dtype == torch.float32
+            expected = step_log_prob(guided_velocity(model(*model_inputs(mb, torch.bfloat16)), mb), mb)[1]
+            assert torch.equal(out["log_prob"], expected)

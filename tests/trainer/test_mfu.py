@@ -1,0 +1,29 @@
+"""The FLOP counters behind the MFU the trainer and the benchmarks report (BENCHMARKS.md's accounting)."""
+import pytest
+
+from megatron_omni.trainer.mfu import flow_grpo_flops, forward_flops, step_flops
+from model_specs.qwen_image.config import QwenImageConfig
+from model_specs.qwen_image.flops import forward_flops as qwen_image_forward_flops
+
+
+def test_forward_flops_dispatch_by_family():
+    arch = QwenImageConfig()
+    assert forward_flops(arch, 2, 1024, 128) == qwen_image_forward_flops(arch, 2, 1024, 128)
+    assert forward_flops(arch, 1, 1024, 128) == pytest.approx(16.6e12, rel=0.01)  # 512^2 + 128 text tokens
+    with pytest.raises(ValueError, match="no FLOP counter for dict"):
+        forward_flops({}, 1, 1, 1)
+
+
+def test_lora_cfg_recipe_is_26_forwards_per_image():
+    """10 rollout steps x 2 (CFG) + 2 window steps x (cond forward + uncond forward + activation backward)."""
+    f = 1.0
+    phases = flow_grpo_flops(f, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True)
+    assert phases == {"rollout": 320.0, "train": 96.0, "check": 0.0}
+    assert (phases["rollout"] + phases["train"]) / 16 == 26
+    full = flow_grpo_flops(f, samples=16, rollout_steps=10, trained_pairs=32, cfg=False, frozen_base=False)
+    assert full["train"] == 32 * 3 and full["rollout"] == 160
+
+
+def test_step_flops_backward_of_a_frozen_base():
+    assert step_flops(1.0, rollout_rows=10, check_rows=2, train_rows=4, extra_forward_rows=4) == 10 + 2 + 12 + 4
+    assert step_flops(1.0, 10, 2, 4, 4, frozen_base=True) == 10 + 2 + 8 + 4
