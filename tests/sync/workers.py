@@ -11,7 +11,7 @@ import torch
 
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.rollout.engine import EmbeddedEngine
-from megatron_omni.sync import HFExporter, RemoteEngines, StageSender, SyncError, push_weights
+from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, StageSender, SyncError, push_weights
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, lora_modules
 from model_specs.qwen_image.config import tiny_config
 from model_specs.qwen_image.model import QwenImageModel
@@ -99,13 +99,14 @@ def tp2_trainer(state, die_file: str) -> dict:
     def export(mode, bucket):
         return HFExporter(model, state.tp_group, mode=mode, bucket_bytes=bucket)
 
-    def case(name, mode, bucket, checksum=True):
+    def case(name, mode, bucket, checksum=True, engines=engines):
         ref = {n: t.clone() for n, t in export(mode, 1 << 20).tensors()}  # collective over TP
         t0 = time.perf_counter()
         stats = push_weights(engines, export(mode, bucket), bucket, checksum)
         out[name] = {"seconds": time.perf_counter() - t0, **stats}
-        if engines is not None:
-            out[name]["equal"] = [_same(h, ref) for h in engines.held("full")]
+        remote = engines.engines if isinstance(engines, Rank0Engine) else engines
+        if remote is not None:
+            out[name]["equal"] = [_same(h, ref) for h in remote.held("full")]
             out[name]["largest"] = max(t.numel() * t.element_size() for t in ref.values())
 
     case("merged_1MiB", "merged", 1 << 20)
@@ -122,42 +123,18 @@ def tp2_trainer(state, die_file: str) -> dict:
     if engines is not None:
         out["unchanged"] = [_same(a, b) for a, b in zip(engines.held("full"), before)]
         open(die_file, "w").close()  # engine 1 now dies in the middle of the next sync
+    # every trainer rank sees rank 0's failure (Rank0Engine), so all of them restart and sync again together
+    both = Rank0Engine(engines, state.tp_group)
     t0 = time.perf_counter()
     try:
-        push_weights(engines, export("merged", 16 << 10), 16 << 10)
+        push_weights(both, export("merged", 16 << 10), 16 << 10)
         out["killed"] = "no error"
     except SyncError as e:
         out["killed"] = str(e)
     out["killed_seconds"] = time.perf_counter() - t0
-    if engines is not None:
-        engines.close()
-    out["pp2"] = two_stage_senders(state)
-    return out
-
-
-def two_stage_senders(state) -> dict:
-    """Pipeline-parallel export, simulated on the committed model: rank s keeps block s (stage 0 the input
-    embedders, stage 1 the output head, both the timestep embedder) and sends it as sync rank s."""
-    import torch.distributed as dist
-
-    groups = [dist.new_group([r]) for r in range(2)]  # TP=1 within each stage
-    pp_group = dist.new_group([0, 1])
-    model = trainer_model(groups[state.rank], 0, 1)
-    ref = {n: t.clone() for n, t in HFExporter(model, groups[state.rank], mode="merged").tensors()}
-    for name in [n for n, _ in model.blocks.named_children() if int(n) != state.rank]:
-        del model.blocks._modules[name]
-    for name in (("norm_out_linear", "proj_out") if state.rank == 0 else ("txt_norm", "txt_in", "img_in")):
-        delattr(model, name)
-    exporter = HFExporter(model, groups[state.rank], pp_group, mode="merged", bucket_bytes=16 << 10)
-    engines = RemoteEngines.spawn(make_engine, n=2, timeout_s=TIMEOUT_S, n_senders=2) if state.rank == 0 else None
-    box = [engines.address if engines is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    sender = engines if state.rank == 0 else StageSender(box[0], 1, 2, 2, timeout_s=TIMEOUT_S)
-    out = {"stats": push_weights(sender, exporter, 16 << 10, checksum=True), "plan": [m.name for m in exporter.plan()]}
-    if engines is not None:
-        out["equal"] = [_same(h, ref) for h in engines.held("full")]
-        out["all"] = sorted(ref)
-    sender.close()
+    both.restart()  # engine 1 removed its die_file: it dies once
+    case("restarted", "merged", 16 << 10, engines=both)
+    both.close()
     return out
 
 
