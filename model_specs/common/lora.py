@@ -116,7 +116,8 @@ def _init_A(name: str, seed: int, rank: int, n_in: int) -> torch.Tensor:
     input from a generator keyed by (seed, diffusers name): equal at every TP size and on every rank."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     bound = n_in ** -0.5
-    return (torch.rand(rank, n_in, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).float()
+    # drawn on the CPU (where the generator is) also inside a `with torch.device("cuda")` scope
+    return (torch.rand(rank, n_in, generator=g, dtype=torch.float64, device="cpu") * 2 - 1).mul_(bound).float()
 
 
 class LoRALinear(torch.nn.Module):
