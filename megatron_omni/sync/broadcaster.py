@@ -97,10 +97,17 @@ class GroupChannel:
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.pg = _make_group(backend, dist.PrefixStore(prefix + "/", self.store), rank, world_size, timeout)
+        self.timeout_s = timeout_s
+        # NCCL's own watchdog gets a minute more than our polled waits, so a dead peer is met by our abort
+        # (a SyncError) rather than by the watchdog tearing the whole trainer process down
+        group_timeout = timeout if backend == "gloo" else timedelta(seconds=timeout_s + 60)
+        self.pg = _make_group(backend, dist.PrefixStore(prefix + "/", self.store), rank, world_size, group_timeout)
         self._buffers: list[torch.Tensor] = []
         self._work: list = [None, None]
         self.plans = PlanCache()
+        # set by the trainer's engine handle: '' while every peer is alive, else what happened to one
+        self.peer_failed: Callable[[], str] | None = None
+        self.aborted = False
 
     def _bcast(self, tensor: torch.Tensor, src: int):
         opts = dist.BroadcastOptions()
@@ -113,9 +120,9 @@ class GroupChannel:
     def recv_obj(self, src: int, obj=None):
         blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if self.rank == src else None
         size = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64, device=self.device)
-        _wait(self._bcast(size, src), f"metadata size from sync rank {src}")
+        self._host_wait(self._bcast(size, src), f"metadata size from sync rank {src}")
         buf = blob.to(self.device) if blob is not None else torch.empty(int(size), dtype=torch.uint8, device=self.device)
-        _wait(self._bcast(buf, src), f"metadata from sync rank {src}")
+        self._host_wait(self._bcast(buf, src), f"metadata from sync rank {src}")
         return pickle.loads(buf.cpu().numpy().tobytes())
 
     def bucket_buffers(self, bucket_bytes: int) -> list[torch.Tensor]:
@@ -144,12 +151,42 @@ class GroupChannel:
         raw = message.encode()[:STATUS_BYTES]
         mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else mine[:0]
         out = [torch.empty(STATUS_BYTES, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
-        _wait(self.pg.allgather([out], [mine.to(self.device)]), "the status round")
+        self._host_wait(self.pg.allgather([out], [mine.to(self.device)]), "the status round")
         return [bytes(o.cpu().numpy()).rstrip(b"\0").decode(errors="replace") for o in out]
+
+    def _host_wait(self, work, what: str, grace_s: float = 2.0) -> None:
+        """Wait for ``work`` on the host, polling: an NCCL / HCCL wait neither sees a peer that died nor one
+        that gave up before joining the collective (its error went back over the command pipe), and would
+        block until the watchdog kills the process.  Every metadata and status round goes through here,
+        and bucket transfers are ordered before them, so a broken stream surfaces here too.  A peer
+        reported failed for ``grace_s`` while the work is still pending, or the timeout, aborts the group."""
+        deadline, failed_since, pause = time.monotonic() + self.timeout_s, None, 1e-5
+        while not work.is_completed():
+            now = time.monotonic()
+            failed = self.peer_failed() if self.peer_failed is not None else ""
+            failed_since = (failed_since or now) if failed else None
+            if now > deadline or (failed and now - failed_since > grace_s):
+                self.abort()
+                reason = failed or f"no answer within {self.timeout_s} s"
+                raise SyncError(f"weight sync: waiting for {what} failed ({reason}); the group was aborted")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)  # metadata rounds finish in microseconds; a hang is polled at 1 kHz
+        _wait(work, what)  # raises what the backend reports for a failed collective
+
+    def abort(self) -> None:
+        """Tear the group down without waiting for its pending collectives (after a failure)."""
+        self._buffers, self._work, self.aborted = [], [None, None], True
+        for name in ("abort", "shutdown"):
+            if hasattr(self.pg, name):
+                try:
+                    getattr(self.pg, name)()
+                except RuntimeError:
+                    pass
+                return
 
     def close(self) -> None:
         self._buffers, self._work = [], [None, None]
-        if hasattr(self.pg, "shutdown"):
+        if hasattr(self.pg, "shutdown") and not self.aborted:
             self.pg.shutdown()
 
 

@@ -259,7 +259,24 @@ class RemoteEngines:
             except RuntimeError as e:  # an engine never joined (gloo / NCCL rendezvous timeout)
                 _drain(exporter.tensors())
                 return SyncError(f"weight sync: setting up the sync group failed: {str(e).splitlines()[0]}"), {}
-        return _send(self.channel, 0, self.spec.n_senders, exporter, bucket_bytes, checksum)
+            self.channel.peer_failed = self._peer_failed
+        error, stats = _send(self.channel, 0, self.spec.n_senders, exporter, bucket_bytes, checksum)
+        if error is not None and getattr(self.channel, "aborted", False):  # the group is gone: only restart() makes a new one
+            self.broken = str(error)
+        return error, stats
+
+    def _peer_failed(self) -> str:
+        """'' while every engine is alive and silent; a sync's collectives see this while they wait (an
+        engine answers 'sync' only after its last collective, so an earlier answer means it gave up)."""
+        for i, (p, c) in enumerate(zip(self.procs, self.conns)):
+            if not p.is_alive():
+                return f"engine process {i} exited with code {p.exitcode}"
+            try:
+                if c.poll():
+                    return f"engine process {i} answered before the sync's collectives ended"
+            except (OSError, EOFError):
+                return f"engine process {i}'s pipe is closed"
+        return ""
 
     def held(self, mode: str = "full") -> list[dict]:
         return self._all(("held", mode))
