@@ -139,8 +139,8 @@ class GroupChannel:
 
     def wait_slot(self, slot: int) -> None:
         work, self._work[slot] = self._work[slot], None
-        if work is not None:
-            _wait(work, "a weight bucket")
+        if work is not None:  # on the host: stream work queued behind a broadcast that never ends would hang
+            self._host_wait(work, "a weight bucket")  # the next synchronous CUDA call (a pageable copy, say)
 
     def end_stream(self) -> None:
         """Nothing to release: a broadcast buffer is free once its work completed."""
@@ -158,8 +158,8 @@ class GroupChannel:
         """Wait for ``work`` on the host, polling: an NCCL / HCCL wait neither sees a peer that died nor one
         that gave up before joining the collective (its error went back over the command pipe), and would
         block until the watchdog kills the process.  Every metadata and status round goes through here,
-        and bucket transfers are ordered before them, so a broken stream surfaces here too.  A peer
-        reported failed for ``grace_s`` while the work is still pending, or the timeout, aborts the group."""
+        and bucket buffers too before they are reused.  A peer reported failed for ``grace_s`` while the
+        work is still pending, or the timeout, aborts the group."""
         deadline, failed_since, pause = time.monotonic() + self.timeout_s, None, 1e-5
         while not work.is_completed():
             now = time.monotonic()
