@@ -49,9 +49,14 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> t
     return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
 
 
-def split_qkv(fused: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`fuse_qkv`."""
-    per_head = fused.reshape(heads, 3, -1, *fused.shape[1:])
+def split_qkv(fused: torch.Tensor, heads: int, share_storage: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`: three contiguous tensors, each its own (safetensors refuses tensors
+    that share memory), or with ``share_storage`` three views of one [3, H*D, ...] tensor made by a
+    single copy (one kernel instead of three, for a stream that copies them on at once)."""
+    per_head = fused.reshape(heads, 3, -1, *fused.shape[1:])  # [H, 3, D, ...]
+    if share_storage:
+        return tuple(per_head.transpose(0, 1).reshape(3, -1, *fused.shape[1:]))
     return tuple(per_head[:, j].reshape(-1, *fused.shape[1:]).contiguous() for j in range(3))
 
 
@@ -72,10 +77,12 @@ def to_mcore(rule: Rule, hf_get: Callable[[str], torch.Tensor], heads: int) -> t
     return tensors[0]
 
 
-def to_hf(rule: Rule, mcore_tensor: torch.Tensor, heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF (name, tensor) pairs of ``rule`` from its global Megatron tensor."""
+def to_hf(rule: Rule, mcore_tensor: torch.Tensor, heads: int, share_storage: bool = False
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF (name, tensor) pairs of ``rule`` from its global Megatron tensor (``split_qkv`` says what
+    ``share_storage`` does to q / k / v)."""
     if rule.transform == QKV:
-        yield from zip(rule.hf, split_qkv(mcore_tensor, heads))
+        yield from zip(rule.hf, split_qkv(mcore_tensor, heads, share_storage))
     else:
         yield rule.hf[0], mcore_tensor
 
@@ -91,12 +98,13 @@ def hf_shapes(rules: list[Rule], mcore_shapes: Mapping[str, tuple[int, ...]]) ->
     return out
 
 
-def hf_views(rule: Rule, local: torch.Tensor, heads: int, tp_rank: int = 0, tp_size: int = 1
-             ) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]:
+def hf_views(rule: Rule, local: torch.Tensor, heads: int, tp_rank: int = 0, tp_size: int = 1) -> dict:
     """Per HF name of ``rule``: (the view of this rank's Megatron tensor ``local`` that HF tensor fills,
     a function giving the matching view of the whole HF tensor).  Copying every pair equals
     ``local.copy_(tp_shard(to_mcore(rule, hf, heads), rule.tp_dim, tp_rank, tp_size))`` without building
-    the fused or global tensor: q / k / v land in strided views of the per-head interleaved QKV."""
+    the fused or global tensor: q / k / v land in strided views of the per-head interleaved QKV.  A fused
+    QKV also has an entry under the tuple of its three names, for q, k, v stacked as [3, H*D, ...]
+    (e.g. side by side in a buffer): one copy instead of three."""
     n = tp_size if rule.tp_dim is not None else 1
     rank = tp_rank if n > 1 else 0
     if rule.transform == QKV:
@@ -110,7 +118,12 @@ def hf_views(rule: Rule, local: torch.Tensor, heads: int, tp_rank: int = 0, tp_s
         def part(t: torch.Tensor) -> torch.Tensor:  # [H*D, ...] -> [N, D, ...], this rank's heads
             return t.view(heads, -1, *t.shape[1:])[lo:lo + local_heads]
 
-        return {name: (fused_N3D[:, j], part) for j, name in enumerate(rule.hf)}
+        def stacked(t: torch.Tensor) -> torch.Tensor:  # [3, H*D, ...] -> [3, N, D, ...]
+            return t.view(3, heads, -1, *t.shape[2:])[:, lo:lo + local_heads]
+
+        out = {name: (fused_N3D[:, j], part) for j, name in enumerate(rule.hf)}
+        out[rule.hf] = (fused_N3D.transpose(0, 1), stacked)
+        return out
     if n == 1:
         return {rule.hf[0]: (local, lambda t: t)}
     return {rule.hf[0]: (local, lambda t: t.chunk(n, dim=rule.tp_dim)[rank])}

@@ -388,10 +388,10 @@ class EmbeddedEngine:
                 params[name].copy_(tensor)
         return set(staged)
 
-    def weight_views(self) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]:
+    def weight_views(self) -> dict:
         """Per HF name: (the view of this rank's parameter that tensor fills, a function giving the matching
-        view of the whole HF tensor); see ``checkpoints_convert.mapping.hf_views``.  Copy under
-        ``writing_weights``."""
+        view of the whole HF tensor); per fused QKV also under the tuple of its three names, for q, k, v
+        stacked.  See ``checkpoints_convert.mapping.hf_views``.  Copy under ``writing_weights``."""
         params, heads = base_parameters(self.model), self.arch.num_attention_heads
         out = {}
         for rule in qwen_image_rules(self.arch):

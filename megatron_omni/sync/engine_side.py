@@ -206,6 +206,7 @@ class _DirectPlan:
         self.complete = all(h in names for rule in rules for h in rule.hf)
         self.mcore = {rule.mcore for rule in rules if rule.hf[0] in names}
         self.targets = [[views[e.meta.name] for e in plan.entries] for plan in incoming.plans]
+        self.stacked = [_stacked_qkv(plan, views) for plan in incoming.plans]
         self.inside = [plan.inside() for plan in incoming.plans]
         self.pieces = [plan.pieces() for plan in incoming.plans]
         self._copies: dict[tuple[int, int], tuple[list, list]] = {}  # (s, k) -> (bucket views, copy groups)
@@ -214,9 +215,7 @@ class _DirectPlan:
         views = incoming.views(s)
         cached = self._copies.get((s, k))
         if cached is None or cached[0] is not views:  # built once per bucket buffer pair
-            idx = self.inside[s].get(k, [])
-            cached = (views, copy_groups([self.targets[s][i][0] for i in idx],
-                                         [self.targets[s][i][1](views[i]) for i in idx]))
+            cached = (views, self._copy_groups(incoming, s, k, views))
             self._copies[(s, k)] = cached
         run_copies(cached[1])
         entries = incoming.plans[s].entries
@@ -228,6 +227,47 @@ class _DirectPlan:
             if at + hi - lo == meta.nbytes:
                 dst, take = self.targets[s][i]
                 dst.copy_(take(partial.pop((s, i)).view(meta.dtype).view(meta.shape)))
+
+
+    def _copy_groups(self, incoming: Incoming, s: int, k: int, views: list) -> list:
+        """The copies of the tensors inside bucket k of sender s: a fused QKV whose q, k, v lie side by
+        side in the bucket is one strided copy, every other tensor a copy of its own."""
+        plan, inside = incoming.plans[s], self.inside[s].get(k, [])
+        slot = incoming.channel.bucket_buffers(plan.bucket_bytes)[k % 2]
+        members, taken, dst, src = set(inside), set(), [], []
+        for i in inside:
+            if i in taken:
+                continue
+            stacked = self.stacked[s].get(i)
+            if stacked is not None and i + 2 in members:
+                meta, start = plan.entries[i].meta, plan.entries[i].offset - k * plan.bucket_bytes
+                qkv = slot[start:start + 3 * meta.nbytes].view(meta.dtype).view(3, *meta.shape)  # [3, H*D, ...]
+                dst.append(stacked[0])
+                src.append(stacked[1](qkv))
+                taken.update((i + 1, i + 2))
+                continue
+            dst.append(self.targets[s][i][0])
+            src.append(self.targets[s][i][1](views[i]))
+        return copy_groups(dst, src)
+
+
+def _stacked_qkv(plan, views: dict) -> dict[int, tuple]:
+    """Entry index i -> the stacked view pair of a fused QKV (``hf_views``) whose q, k, v are entries
+    i, i + 1, i + 2 lying side by side in the stream (no padding between them)."""
+    at = {e.meta.name: i for i, e in enumerate(plan.entries)}
+    out = {}
+    for key, pair in views.items():
+        if not isinstance(key, tuple) or key[0] not in at:
+            continue
+        i = at[key[0]]
+        trio = plan.entries[i:i + 3]
+        first = trio[0]
+        if [e.meta.name for e in trio] == list(key) and all(
+                (e.meta.dtype, e.meta.shape, e.offset) == (first.meta.dtype, first.meta.shape,
+                                                           first.offset + j * first.meta.nbytes)
+                for j, e in enumerate(trio)):
+            out[i] = pair
+    return out
 
 
 class _DirectStream:

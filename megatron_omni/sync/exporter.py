@@ -180,11 +180,11 @@ class HFExporter:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, whole tensor) in ``plan()`` order; a collective over the TP group.  Every tensor stays
         valid while it is referenced: it is a parameter (or adapter view) itself, or freshly allocated
-        (a TP gather, a merged weight, a q / k / v split), never a view of a buffer reused for a later
-        bucket.  So a consumer may hold a bucket's worth before copying them (the broadcaster packs a
-        bucket with one fused copy); the parameters must not change until the sync ends.  (No grad-mode
-        decorator here: on a generator it toggles grad mode at every yield; ``_gather`` computes under
-        ``no_grad`` and the q / k / v split works on tensors that need no grad.)"""
+        (a TP gather, a merged weight, a q / k / v split: three views of one copy), never a view of a
+        buffer reused for a later bucket.  So a consumer may hold a bucket's worth before copying them
+        (the broadcaster packs a bucket with one fused copy); the parameters must not change until the
+        sync ends.  (No grad-mode decorator here: on a generator it toggles grad mode at every yield;
+        ``_gather`` computes under ``no_grad`` and the q / k / v split works on tensors that need no grad.)"""
         self._resolve()
         for idx in self._split:
             for i, full in zip(idx, self._gather(idx)):
@@ -192,4 +192,4 @@ class HFExporter:
                 if item.rule is None:
                     yield item.hf_name, full
                 else:
-                    yield from to_hf(item.rule, full, self.heads)
+                    yield from to_hf(item.rule, full, self.heads, share_storage=True)  # q / k / v: one copy

@@ -60,9 +60,18 @@ def test_direct_load_equals_the_export_including_the_fused_qkv(single_rank, mode
         sent = export(exporter)
         assert same(engine_side.held(link.engine, "full"), sent)
         params = dict(link.engine.model.named_parameters())
-        for rule in (r for r in qwen_image_rules(ARCH) if r.transform == QKV):  # q / k / v per head interleaved
+        qkv_rules = [r for r in qwen_image_rules(ARCH) if r.transform == QKV]
+        for rule in qkv_rules:  # q / k / v per head interleaved
             fused = fuse_qkv(*(sent[h] for h in rule.hf), heads=ARCH.num_attention_heads)
             assert torch.equal(params[rule.mcore], fused), rule.mcore
+        # q, k, v side by side in one bucket went in one strided copy: 2 copies fewer per such fused QKV
+        plan, stream = engine_side._state(link.engine).prepared[1], link.rx.plans.known[0]
+        inside = {i for idx in plan.inside[0].values() for i in idx}
+        trios = [i for i in plan.stacked[0] if {i, i + 1, i + 2} <= inside and
+                 (stream.entries[i].offset // bucket) == (stream.entries[i + 2].offset // bucket)]
+        copies = sum(len(d) for _, groups in plan._copies.values() for d, _ in groups)
+        assert len(plan.stacked[0]) == len(qkv_rules) and copies == len(inside) - 2 * len(trios)
+        assert trios or bucket == 16 << 10
 
 
 # ---- the engine at TP=2: each rank receives the whole tensors and keeps its shards --------------------------
