@@ -1,6 +1,8 @@
 """Ours, one FlowGRPO step of the recipe: text encoding -> rollout (``EmbeddedEngine``, our samplers, true
 CFG batched) -> VAE decode -> reward -> group advantages -> train (``build_policy`` / ``run_microbatches``
 with the project's FlowGRPO forward step) -> LoRA weight sync (``megatron_omni.sync.push_weights``).
+Training reuses the rollout's uncond outputs (``Recipe.reuse_uncond``): one optimizer step per RL step, right
+after the sync the rollout ran with, so they are the current policy's and the loss and gradients are unchanged.
 
 The rollout engine's model is a second ``QwenImageModel`` whose frozen base parameters ARE the policy's
 (LoRA never changes the base, so sharing it is exact and saves 40.9 GB) and whose LoRA adapters are its own:
@@ -104,7 +106,8 @@ def _requests(recipe: Recipe, prompts: list[str], emb_PTE: torch.Tensor, neg_TE:
     return [Request(prompt=p, prompt_id=k, prompt_emb=emb_PTE[k], negative_prompt=NEGATIVE, negative_prompt_emb=neg_TE,
                     seed=step * 100_003 + k * recipe.group + i, img_fhw=recipe.img_fhw, num_steps=recipe.num_steps,
                     shift=recipe.shift, sampler="sde", noise_level=recipe.noise_level, window_size=recipe.window,
-                    window_range=recipe.window_starts, guidance_scale=recipe.guidance)
+                    window_range=recipe.window_starts, guidance_scale=recipe.guidance,
+                    keep_uncond_velocity=recipe.reuse_uncond)
             for k, p in enumerate(prompts) for i in range(recipe.group)]
 
 
@@ -125,7 +128,9 @@ def ours_step(ours: Ours, e2e: EndToEnd, step: int) -> tuple[dict[str, float], d
     with timer("train"):
         real = torch.ones(recipe.text_tokens, dtype=torch.bool, device=recipe.device)
         table = {p: (e, real) for p, e in zip(prompts + [NEGATIVE], emb_NTE)}
-        mbs = grpo_microbatches(trajs, adv.advantages, table, recipe.micro_batch)
+        # one optimizer step right after the sync the rollout ran with: the rollout's uncond outputs are the
+        # current policy's, so the training forward carries cond rows only (exact; megatron_omni.trainer.flow_grpo)
+        mbs = grpo_microbatches(trajs, adv.advantages, table, recipe.micro_batch, reuse_uncond=recipe.reuse_uncond)
         out, grad_norm = run_microbatches(ours.policy, ours.forward_step, mbs)
     with timer("sync"):
         push_weights(ours.engine, ours.exporter, SYNC_BUCKET)

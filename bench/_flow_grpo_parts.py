@@ -43,6 +43,8 @@ class Recipe:
     prompts: int = 1
     rollout_batch: int = 16  # samples per rollout forward: 32 rows with CFG
     micro_batch: int = 4  # (sample, step) pairs per training forward
+    # ours: the one optimizer step per RL step reuses the rollout's uncond outputs (weights unchanged since)
+    reuse_uncond: bool = True
     lora_rank: int = 64
     lora_alpha: float = 128.0
     lr: float = 3e-4
@@ -103,11 +105,13 @@ def medians(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(s[k] for s in steps) for k in steps[0]}
 
 
-def phase_flops(recipe: Recipe) -> dict[str, float]:
-    """Useful DiT FLOPs of one step by phase (megatron_omni.trainer.mfu; LoRA adapters' FLOPs not counted)."""
+def phase_flops(recipe: Recipe, reused_uncond: bool = False) -> dict[str, float]:
+    """DiT FLOPs of one step by phase (megatron_omni.trainer.mfu; LoRA adapters' FLOPs not counted).
+    ``reused_uncond``: the loop trained on the rollout's uncond outputs, so no uncond forward ran in 'train'."""
     per_row = forward_flops(recipe.arch, 1, recipe.image_tokens, recipe.text_tokens)
-    return flow_grpo_flops(per_row, samples=recipe.samples, rollout_steps=recipe.num_steps,
-                           trained_pairs=recipe.samples * recipe.window, cfg=recipe.guidance > 1, frozen_base=True)
+    pairs = recipe.samples * recipe.window
+    return flow_grpo_flops(per_row, samples=recipe.samples, rollout_steps=recipe.num_steps, trained_pairs=pairs,
+                           cfg=recipe.guidance > 1, frozen_base=True, reused_uncond_pairs=pairs if reused_uncond else 0)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 (20.4 B, bf16), ours beside the diffusers + peft peer loop, on one GPU in one run.  Prints one table.
 
     python bench/flow_grpo_step.py [--steps 5] [--group 16] [--prompts 1] [--compile default] [--skip-reference]
+                                   [--no-reuse-uncond]
     python bench/flow_grpo_step.py --smoke      # tiny model on the CPU: checks the script runs; times mean nothing
 
 Recipe: 512x512 (1024 image tokens, 64 packed channels) + 128 text tokens, 10 rollout steps (SDE noise 1.2),
@@ -15,9 +16,10 @@ with the device synchronised at both ends.
   DiT side = rollout + train + sync, end to end = all six, one after the other (nothing overlapped).
 * reference: rollout -> train, DiT side only (bench/_flow_grpo_reference.py).  The two models are never
   resident together: ours is freed before the reference is built.
-MFU counts the work the recipe needs (megatron_omni.trainer.mfu.flow_grpo_flops with the Qwen-Image FLOP
-counter: 26 forwards per image; LoRA's own FLOPs not counted) against the measured bf16 peak (792 TFLOP/s on
-an H200, BENCHMARKS.md).
+MFU counts the work each loop runs (megatron_omni.trainer.mfu.flow_grpo_flops with the Qwen-Image FLOP
+counter: 26 forwards per image, 24 for ours when it reuses the rollout's uncond outputs in training (the
+default; --no-reuse-uncond recomputes them); LoRA's own FLOPs not counted) against the measured bf16 peak
+(792 TFLOP/s on an H200, BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class LoopResult:
     metrics: dict[str, float] = field(default_factory=dict)  # of the last timed step
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    reused_uncond: bool = False  # trained on the rollout's uncond outputs (no uncond forward in 'train')
 
 
 def _timed_steps(step_fn, steps: int, result: LoopResult, phases: tuple[str, ...]) -> None:
@@ -62,7 +65,8 @@ def run_ours(recipe: Recipe, steps: int, compile_mode: str | None) -> LoopResult
     from _flow_grpo_ours import build_ours, ours_step
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
-    result = LoopResult("ours" + (f" (blocks compiled: {compile_mode})" if compile_mode else " (eager)"))
+    result = LoopResult("ours" + (f" (blocks compiled: {compile_mode})" if compile_mode else " (eager)")
+                        + ("" if recipe.reuse_uncond else ", uncond recomputed"), reused_uncond=recipe.reuse_uncond)
     state = init_parallel(device=recipe.device.type, seed=0)
     ours = e2e = None
     try:
@@ -138,8 +142,6 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
     from rich.table import Table
 
     peak = device_peak_flops(recipe.dtype)
-    flops = phase_flops(recipe)
-    dit_flops = flops["rollout"] + flops["train"]
     device = torch.cuda.get_device_name() if recipe.device.type == "cuda" else "CPU (smoke: times mean nothing)"
     size = "tiny smoke model" if recipe.smoke else "full-size Qwen-Image DiT (random init, bf16)"
     table = Table(title=f"FlowGRPO step, {size}, {device}: {recipe.samples} images ({recipe.prompts} prompt(s) x "
@@ -154,6 +156,8 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
         if r.error:
             table.add_row(r.name, r.error, "", "", "", "", "")
             continue
+        flops = phase_flops(recipe, reused_uncond=r.reused_uncond)  # the work this loop actually ran
+        dit_flops = flops["rollout"] + flops["train"]
         for phase in (p for p in OURS_PHASES if p in r.seconds):
             _row(table, r.name, phase, r.seconds[phase], flops.get(phase), peak)
         dit[r.name] = r.seconds["dit"]
@@ -166,9 +170,14 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
         ours, ref = dit.values()
         table.add_row("ours / reference", "DiT-side speed-up", "", "", "", "", f"{ref / ours:.2f} x")
     notes = [note for r in results for note in r.notes] + [_metrics_note(r) for r in results if r.metrics]
-    notes.append("ours trains cond + uncond in one batched forward and detaches the uncond branch in the loss "
-                 "(megatron_omni.algorithms.flow_grpo_step): its backward runs over both halves, so MFU of 'train' "
-                 "counts 3 of the 4 forward-equivalents it executes; the reference runs uncond under no_grad")
+    if recipe.reuse_uncond:
+        notes.append("ours trains on the rollout's uncond outputs (same weights and inputs: exact): its training "
+                     "forward carries cond rows only, and 'train' counts the 2 forward-equivalents per pair it runs "
+                     "(cond forward + activation backward); the reference runs uncond under no_grad (3)")
+    else:
+        notes.append("ours (--no-reuse-uncond) trains cond + uncond in one batched forward and detaches the uncond "
+                     "branch in the loss: its backward runs over both halves, so MFU of 'train' counts 3 of the 4 "
+                     "forward-equivalents it executes; the reference runs uncond under no_grad")
     notes.append("targets (BENCHMARKS.md): DiT side >= 1.3 images/s and >= 1.7x the reference; end to end >= 1.0 "
                  "images/s; rollout >= 75 % MFU; train >= 55 % MFU")
     table.caption, table.caption_justify = "\n".join(notes), "left"
@@ -183,13 +192,16 @@ def main(argv=None) -> None:
     p.add_argument("--compile", metavar="MODE", help="compile each block of our rollout model, e.g. default")
     p.add_argument("--text-layers", type=int, default=28, help="layers of the text encoder (28 = Qwen2.5-VL-7B)")
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
+    p.add_argument("--no-reuse-uncond", action="store_true",
+                   help="ours recomputes the uncond branch in training (cond + uncond batched) instead of reusing the "
+                        "rollout's uncond outputs")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, < 2 min: checks the script")
     args = p.parse_args(argv)
     if min(args.steps, args.group, args.prompts, args.text_layers) < 1:
         p.error(f"--steps {args.steps}, --group {args.group}, --prompts {args.prompts}, --text-layers "
                 f"{args.text_layers}: expected integers >= 1")
     steps = min(args.steps, 2) if args.smoke else args.steps
-    overrides = dict(group=args.group, prompts=args.prompts)
+    overrides = dict(group=args.group, prompts=args.prompts, reuse_uncond=not args.no_reuse_uncond)
     if not args.smoke:
         overrides["text_layers"] = args.text_layers
     recipe = make_recipe(args.smoke, **overrides)

@@ -12,6 +12,13 @@ with the uncond branch detached, forms the SDE mean μ_θ and log π_θ(x_t') wi
 (``megatron_omni.rollout.samplers``: the trainer scores a step exactly as it was sampled), and returns
 ``(L, metrics)`` from ``flow_grpo.flow_grpo_loss``.
 
+Reusing the rollout's uncond output (``mb.uncond_velocity``): the uncond branch is detached, so its only
+role is the value v_u(x_t, t, negative prompt; θ).  While θ is still the rollout's (the first optimizer step
+after a weight sync, or a log-prob recomputation before any update) the rollout already computed that value
+from the same inputs; the forward then carries the B cond rows only — half the rows, and no backward through
+an uncond half — and the loss, and every gradient, are those of the batched path.  The KL reference still
+runs its own uncond rows: its v_u is the reference policy's, not the rollout's.
+
 Loss normalisation (megatron-core 0.19.2, ``schedules.forward_step_calc_loss``): for a 2-tuple
 ``(loss, metrics)`` megatron does ``loss *= cp_size; loss /= num_microbatches`` IN PLACE on the returned
 tensor before ``backward`` (a 3-tuple ``(loss, num_tokens, metrics)`` is divided by ``num_tokens`` and by
@@ -73,10 +80,18 @@ class FlowGRPOMicroBatch:
     uncond_mask: torch.Tensor | None = None  # [B, U]
     guidance_scale: float = 1.0  # true-CFG scale w
     cfg_rescale: str | None = "token"  # Qwen-Image true CFG: rescale to ‖v_cond‖ per token (samplers.cfg_combine)
+    # [B, I, C] float32: the rollout's uncond output for these pairs, valid only while the weights are the
+    # rollout's; set, the forward runs cond rows only and CFG combines with it (see the module docstring)
+    uncond_velocity: torch.Tensor | None = None
 
     @property
     def has_cfg(self) -> bool:
-        return self.uncond_txt is not None
+        return self.uncond_txt is not None or self.uncond_velocity is not None
+
+    @property
+    def uncond_rows(self) -> bool:
+        """Whether the policy forward carries uncond rows (true CFG without a reused uncond output)."""
+        return self.uncond_txt is not None and self.uncond_velocity is None
 
 
 def _pad_text(txt_BTE: torch.Tensor, mask_BT: torch.Tensor | None, length: int):
@@ -88,14 +103,19 @@ def _pad_text(txt_BTE: torch.Tensor, mask_BT: torch.Tensor | None, length: int):
             torch.nn.functional.pad(mask_BT, (0, pad), value=False))
 
 
-def model_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None) -> tuple:
-    """(img, txt, sigma, img_fhw, mask) for one forward; with CFG the uncond rows follow the cond rows
-    ([2B, ...]), text padded to the longer of the two (padding is masked out of attention).
+def model_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None, uncond_rows: bool | None = None) -> tuple:
+    """(img, txt, sigma, img_fhw, mask) for one forward; with uncond rows (default ``mb.uncond_rows``) they
+    follow the cond rows ([2B, ...]), text padded to the longer of the two (padding is masked out of
+    attention); without, the cond rows alone, unpadded.
 
     ``dtype``: the model's parameter dtype; image tokens and text are cast to it as the rollout engine
     casts them (the float32 latents of a bf16 rollout), so the model sees the very values it sampled with.
     The loss keeps ``mb.x_t`` in float32."""
-    if not mb.has_cfg:
+    if uncond_rows is None:
+        uncond_rows = mb.uncond_rows
+    if uncond_rows and mb.uncond_txt is None:
+        raise ValueError("model_inputs: uncond rows asked for a micro-batch without uncond_txt")
+    if not uncond_rows:
         img, txt, sigma, mask = mb.x_t, mb.txt, mb.t, mb.txt_mask
     else:
         length = max(mb.txt.shape[1], mb.uncond_txt.shape[1])
@@ -109,11 +129,18 @@ def model_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None) -> tu
 
 
 def guided_velocity(out_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> torch.Tensor:
-    """float32 velocity of the policy: the model output, or with CFG (rows [cond; uncond])
-    v = v_u + w·(v_c − v_u) with the uncond branch detached, rescaled as ``mb.cfg_rescale`` says."""
+    """float32 velocity of the policy: the model output, or with CFG v = v_u + w·(v_c − v_u) with the
+    uncond branch detached, rescaled as ``mb.cfg_rescale`` says.  v_u is the output's uncond half when it
+    has 2B rows ([cond; uncond], what ``model_inputs`` built), else ``mb.uncond_velocity``."""
     if not mb.has_cfg:
         return out_BIC.float()
-    v_c, v_u = out_BIC.chunk(2, dim=0)
+    if out_BIC.shape[0] == 2 * mb.x_t.shape[0]:
+        v_c, v_u = out_BIC.chunk(2, dim=0)
+    elif mb.uncond_velocity is not None:
+        v_c, v_u = out_BIC, mb.uncond_velocity.float()
+    else:
+        raise ValueError(f"guided_velocity: {out_BIC.shape[0]} output rows for {mb.x_t.shape[0]} CFG pairs and no "
+                         f"uncond_velocity; expected the [cond; uncond] rows of model_inputs")
     return cfg_combine(v_c, v_u.detach(), mb.guidance_scale, mb.cfg_rescale)
 
 
@@ -147,16 +174,26 @@ def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | 
 
     def forward_step(data_iterator: Iterator[FlowGRPOMicroBatch], model: torch.nn.Module):
         mb = next(data_iterator)
-        inputs = model_inputs(mb, model.config.params_dtype)
+        dtype = model.config.params_dtype
+        inputs = model_inputs(mb, dtype)
         output = model(*inputs)
         ref_out = None
         if config.kl_beta > 0:
             _single_stage(model)
+            ref_inputs = inputs if mb.uncond_velocity is None else _reference_inputs(mb, dtype)
             with torch.no_grad(), reference(model) as ref_model:
-                ref_out = ref_model(*inputs)
+                ref_out = ref_model(*ref_inputs)
         return output, partial(loss_func, mb, config, ref_out)
 
     return forward_step
+
+
+def _reference_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None) -> tuple:
+    """The reference's forward with its own uncond rows: a reused v_u is the policy's, not the reference's."""
+    if mb.uncond_txt is None:
+        raise ValueError("a KL reference with a reused uncond_velocity needs the micro-batch's uncond_txt, to run "
+                         "the reference's own uncond branch")
+    return model_inputs(mb, dtype, uncond_rows=True)
 
 
 def _single_stage(model: torch.nn.Module) -> None:

@@ -163,6 +163,11 @@ class AlgorithmConfig:
     clip_grad: float = 1.0
     logprob_check_samples: int = 8  # trajectories per step whose log-probs the trainer recomputes
     logprob_warn_abs: float = 1e-2  # warn when mean |rollout - trainer log-prob| exceeds this
+    # true CFG: the rollout keeps its uncond output at trained steps, and the first optimizer step of each RL
+    # step (and the log-prob check before it) reuse it instead of running the uncond rows: the weights are
+    # still the rollout's there, so loss and gradients are unchanged (an exact saving of one forward and the
+    # uncond half's backward per pair).  Later optimizer steps of the same RL step recompute it.
+    reuse_rollout_uncond: bool = True
 
     def validate(self) -> None:
         if not 0 < self.clip_range < 1:

@@ -56,6 +56,9 @@ class Request:
     guidance_scale: float = 1.0  # > 1 enables true CFG with the negative prompt
     cfg_rescale: str | None = "token"  # samplers.cfg_combine: diffusers' Qwen-Image per-token rescale
     log_prob_form: str = "gaussian"  # "simple" (-mean (x' - μ)²) is offered for "cps"
+    # keep the uncond model output of each trained step in Trajectory.uncond_velocity (true CFG only): the
+    # trainer's first optimizer step after this rollout reuses it instead of running the uncond branch again
+    keep_uncond_velocity: bool = False
 
     @property
     def cfg(self) -> bool:
@@ -72,6 +75,9 @@ class Trajectory:
     log_probs: torch.Tensor  # [N] float32, 0 where the step is not trained
     trained: torch.Tensor  # [N] bool, True on SDE-window steps
     window_start: int | None = None
+    # [K, S_I, C] float32: the uncond model output at each of the K trained steps (in step order), as the
+    # rollout combined it; None unless request.keep_uncond_velocity with true CFG
+    uncond_velocity: torch.Tensor | None = None
 
     @property
     def final_sample(self) -> torch.Tensor:
@@ -337,14 +343,19 @@ class EmbeddedEngine:
             x_BX = torch.stack([torch.randn(shape_X, generator=g) for g in gens]).to(self._device)
             trained_BN = torch.stack([mask for mask, _ in windows])
             sig_dev = sigmas_N1.to(self._device)
-            lat, lp = rollout(self._velocity_fn(items, sig_dev), x_BX, sig_dev, r0.sampler, r0.noise_level,
+            kept = [[] for _ in items]  # per request: its trained steps' uncond outputs, in step order
+            velocity_fn = self._velocity_fn(items, sig_dev, _uncond_recorder(items, trained_BN, kept))
+            lat, lp = rollout(velocity_fn, x_BX, sig_dev, r0.sampler, r0.noise_level,
                               trained_BN, lambda i, on_B: per_request_noise(gens, shape_X, on_B, self._device),
                               r0.log_prob_form)
-        return [Trajectory(p.request, lat[b], sigmas_N1, lp[b], trained_BN[b], windows[b][1])
+        return [Trajectory(p.request, lat[b], sigmas_N1, lp[b], trained_BN[b], windows[b][1],
+                           torch.stack(kept[b]) if kept[b] else None)
                 for b, p in enumerate(items)]
 
-    def _velocity_fn(self, items: list[_Prepared], sigmas_N1: torch.Tensor) -> Callable:
-        """v(x_BX, i) at t = sigmas[i]: one forward over the batch (cond rows, then uncond rows with CFG)."""
+    def _velocity_fn(self, items: list[_Prepared], sigmas_N1: torch.Tensor,
+                     on_uncond: Callable[[int, torch.Tensor], None] | None = None) -> Callable:
+        """v(x_BX, i) at t = sigmas[i]: one forward over the batch (cond rows, then uncond rows with CFG);
+        ``on_uncond(i, v_uncond_BX)`` sees each step's uncond output."""
         r0 = items[0].request
         n = 2 if r0.cfg else 1
         txt = torch.cat([torch.stack([p.txt_nLE[j] for p in items]) for j in range(n)])
@@ -359,6 +370,8 @@ class EmbeddedEngine:
             if not r0.cfg:
                 return out.float()
             v_cond, v_uncond = out.chunk(2)
+            if on_uncond is not None:
+                on_uncond(i, v_uncond)
             return cfg_combine(v_cond, v_uncond, r0.guidance_scale, r0.cfg_rescale)
 
         return velocity
@@ -439,6 +452,21 @@ def _real_tokens(emb_TE: torch.Tensor, mask_T: torch.Tensor | None, prompt: str)
     if emb_TE.shape[0] == 0:
         raise ValueError(f"prompt {prompt!r} has no real token (its mask is all False)")
     return emb_TE.detach().clone()
+
+
+def _uncond_recorder(items: list[_Prepared], trained_BN: torch.Tensor,
+                     kept: list[list[torch.Tensor]]) -> Callable[[int, torch.Tensor], None] | None:
+    """``on_uncond`` that appends, for each request asking for it, its uncond output at its trained steps
+    (float32 copies: a view would keep the whole batch's output alive); None when no request asks."""
+    keep_B = torch.tensor([p.request.keep_uncond_velocity and p.request.cfg for p in items])
+    if not bool(keep_B.any()):
+        return None
+
+    def record(i: int, v_uncond_BX: torch.Tensor) -> None:
+        for b in torch.nonzero(keep_B & trained_BN[:, i].cpu()).flatten().tolist():
+            kept[b].append(v_uncond_BX[b].to(torch.float32, copy=True))
+
+    return record
 
 
 def _trained_steps(req: Request, generator: torch.Generator) -> tuple[torch.Tensor, int | None]:

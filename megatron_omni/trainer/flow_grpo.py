@@ -6,6 +6,8 @@
         consistency  = recompute_log_probs(some trajectories) # ... re-scores rollout log-probs (decision 6)
         advantages   = group_advantages(rewards.result())
         train on (sample, trained step) micro-batches inside megatron-core's forward_backward_func
+                                                              # (true CFG: the first optimizer step and the
+                                                              # check reuse the rollout's uncond outputs)
         push_weights(engine, export(policy))                  # bucketed weight sync (megatron_omni.sync):
                                                               # LoRA adapters only, or the whole model
         log, checkpoint
@@ -38,7 +40,7 @@ from megatron_omni.rewards import AsyncRewardPool, build_reward
 from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, Trajectory
 from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, SyncError, push_weights
 from megatron_omni.trainer.checkpoint import Checkpointer
-from megatron_omni.trainer.microbatches import grpo_microbatches
+from megatron_omni.trainer.microbatches import grpo_microbatches, without_reused_uncond
 from megatron_omni.trainer.mfu import device_peak_flops, step_flops
 from megatron_omni.trainer.policy import Policy, build_policy, run_microbatches
 from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
@@ -82,8 +84,13 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
     return [Request(prompt=task.prompts[p], prompt_id=k, seed=request_seed(cfg.train.seed, step, k * r.group_size + i),
                     img_fhw=task.img_fhw, num_steps=r.num_steps, shift=r.shift, sampler=r.sampler,
                     noise_level=r.noise_level, window_size=r.window_size, window_range=r.window_range,
-                    guidance_scale=r.guidance_scale)
+                    guidance_scale=r.guidance_scale, keep_uncond_velocity=reuses_uncond(cfg))
             for k, p in enumerate(picks) for i in range(r.group_size)]
+
+
+def reuses_uncond(cfg: RunConfig) -> bool:
+    """Whether the rollout keeps its uncond outputs for the trainer to reuse (true CFG and the switch on)."""
+    return cfg.algorithm.reuse_rollout_uncond and cfg.rollout.guidance_scale > 1
 
 
 def export_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
@@ -227,8 +234,10 @@ def reference_policy(cfg: RunConfig, policy: Policy):
 
 
 def logprob_consistency(run: FlowGRPORun, trajs: list[Trajectory], text) -> dict[str, float]:
-    """Decision 6: the trainer re-scores the rollout's trained steps; mean |Δ log p| and Pearson r."""
-    mbs = grpo_microbatches(trajs, torch.zeros(len(trajs)), text, run.cfg.train.micro_batch_size)
+    """Decision 6: the trainer re-scores the rollout's trained steps; mean |Δ log p| and Pearson r.  It runs
+    before any update of this RL step, so the rollout's uncond outputs stand in for the uncond rows."""
+    mbs = grpo_microbatches(trajs, torch.zeros(len(trajs)), text, run.cfg.train.micro_batch_size,
+                            reuse_uncond=reuses_uncond(run.cfg))
     out, _ = run_microbatches(run.policy, run.forward_step, mbs, forward_only=True, collect_non_loss_data=True)
     trainer_lp = torch.cat([o["log_prob"] for o in out]).cpu()
     rollout_lp = torch.cat([mb.old_log_prob for mb in mbs]).cpu()
@@ -236,13 +245,22 @@ def logprob_consistency(run: FlowGRPORun, trajs: list[Trajectory], text) -> dict
     return {"logprob_abs_diff": (trainer_lp - rollout_lp).abs().mean().item(), "logprob_pearson": pearson}
 
 
+def optimizer_step_batches(mbs: list, per_opt_step: int) -> list[list]:
+    """The micro-batches of each optimizer step.  Only the first step runs with the weights the rollout
+    used: later ones recompute the uncond branch (a reused v_u there would be the old policy's and change
+    the gradient)."""
+    steps = [mbs[k:k + per_opt_step] for k in range(0, len(mbs), per_opt_step)]
+    return steps[:1] + [without_reused_uncond(s) for s in steps[1:]]
+
+
 def train_on(run: FlowGRPORun, trajs: list[Trajectory], advantages: torch.Tensor, text) -> dict[str, float]:
     """Optimizer steps over all (sample, trained step) pairs, ``train.global_batch_size`` pairs each."""
-    mbs = grpo_microbatches(trajs, advantages, text, run.cfg.train.micro_batch_size)
+    mbs = grpo_microbatches(trajs, advantages, text, run.cfg.train.micro_batch_size,
+                            reuse_uncond=reuses_uncond(run.cfg))
     per_opt_step = max(1, run.cfg.train.global_batch_size // run.cfg.train.micro_batch_size)
     metrics, norms = [], []
-    for k in range(0, len(mbs), per_opt_step):
-        out, grad_norm = run_microbatches(run.policy, run.forward_step, mbs[k:k + per_opt_step])
+    for batch in optimizer_step_batches(mbs, per_opt_step):
+        out, grad_norm = run_microbatches(run.policy, run.forward_step, batch)
         metrics += out
         norms.append(float(grad_norm))
     summary = {key: torch.stack([torch.as_tensor(m[key]).float() for m in metrics]).mean().item() for key in metrics[0]}
@@ -312,14 +330,18 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
 
 
 def _utilisation(cfg: RunConfig, task: Task, trajs: list[Trajectory], seconds: float) -> dict[str, float]:
-    """Achieved TFLOP/s of the step's DiT work, and MFU where the device's peak is known."""
+    """Achieved TFLOP/s of the step's DiT work, and MFU where the device's peak is known.  Counts the
+    forwards actually run: no uncond rows where the rollout's uncond output was reused."""
     per_row = forward_flops(cfg.model.arch, 1, task.img_fhw[0] * task.img_fhw[1] * task.img_fhw[2],
                             cfg.data.text_max_tokens)
     cfg_rows = 2 if cfg.rollout.guidance_scale > 1 else 1
     pairs = int(sum(int(t.trained.sum()) for t in trajs))
     check = int(sum(int(t.trained.sum()) for t in trajs[: cfg.algorithm.logprob_check_samples]))
-    extra = pairs * ((cfg_rows - 1) + (1 if cfg.algorithm.kl_beta > 0 else 0))
-    flops = step_flops(per_row, len(trajs) * cfg.rollout.num_steps * cfg_rows, check * cfg_rows, pairs, extra)
+    reused = min(pairs, max(cfg.train.global_batch_size, cfg.train.micro_batch_size)) if reuses_uncond(cfg) else 0
+    check_rows = check * (1 if reuses_uncond(cfg) else cfg_rows)
+    # uncond rows of the optimizer steps that recompute them; the KL reference runs its own cond (+ uncond) rows
+    extra = (pairs - reused) * (cfg_rows - 1) + (pairs * cfg_rows if cfg.algorithm.kl_beta > 0 else 0)
+    flops = step_flops(per_row, len(trajs) * cfg.rollout.num_steps * cfg_rows, check_rows, pairs, extra)
     out = {"tflops_per_second": flops / seconds / 1e12}
     peak = device_peak_flops(DTYPES[cfg.model.dtype])
     if peak:

@@ -8,7 +8,8 @@ FLOPs come from one counter per model family (``model_specs/<family>/flops.py``)
 family's architecture config (``forward_flops``).  A step's FLOPs count the work the algorithm needs,
 so that the MFU of two implementations compares their speed: a trained row is a forward plus a backward
 that computes activation gradients (about one forward) and weight gradients (another, skipped for a
-frozen base under LoRA); the uncond branch of true CFG needs a forward and no backward.
+frozen base under LoRA); the uncond branch of true CFG needs a forward and no backward, and none at all
+where the trainer reused the rollout's uncond output (same weights, same inputs).
 """
 from __future__ import annotations
 
@@ -55,14 +56,18 @@ def step_flops(forward_flops_per_row: float, rollout_rows: int, check_rows: int,
 
 
 def flow_grpo_flops(forward_flops_per_row: float, *, samples: int, rollout_steps: int, trained_pairs: int,
-                    cfg: bool, frozen_base: bool, check_pairs: int = 0) -> dict[str, float]:
+                    cfg: bool, frozen_base: bool, check_pairs: int = 0, reused_uncond_pairs: int = 0,
+                    check_reuses_uncond: bool = False) -> dict[str, float]:
     """FLOPs of one FlowGRPO step by phase.  rollout: every sample's steps, two rows each with true CFG;
-    train: per (sample, step) pair the cond forward and backward, and the uncond forward with CFG;
-    check: the trainer's log-prob recomputation of ``check_pairs`` pairs (forwards)."""
+    train: per (sample, step) pair the cond forward and backward, and the uncond forward with CFG except for
+    the ``reused_uncond_pairs`` that took the rollout's uncond output (no forward ran for it);
+    check: the trainer's log-prob recomputation of ``check_pairs`` pairs (forwards; cond rows only when
+    ``check_reuses_uncond``)."""
     rows = 2 if cfg else 1
+    uncond_forwards = (trained_pairs - reused_uncond_pairs) if cfg else 0
     return {"rollout": forward_flops_per_row * samples * rollout_steps * rows,
-            "train": forward_flops_per_row * trained_pairs * (rows + _backward_forwards(frozen_base)),
-            "check": forward_flops_per_row * check_pairs * rows}
+            "train": forward_flops_per_row * (trained_pairs * (1 + _backward_forwards(frozen_base)) + uncond_forwards),
+            "check": forward_flops_per_row * check_pairs * (1 if check_reuses_uncond else rows)}
 
 
 def utilisation(flops: float, seconds: float, peak: float | None) -> dict[str, float]:

@@ -3,10 +3,16 @@
 Pairs are taken in (sample, step) order and cut into micro-batches of ``size`` pairs; a micro-batch
 carries exactly what the rollout saw for each pair (x_t, x_t', t, t', the rollout's log-prob, the
 prompt's text embedding with its mask, and the negative prompt's when the rollout used true CFG).
+
+``reuse_uncond``: the micro-batches also carry the rollout's uncond output of each pair
+(``Trajectory.uncond_velocity``), so the training forward skips its uncond rows.  Valid only while the
+policy's weights are the rollout's: ``without_reused_uncond`` drops it for the optimizer steps after the first.
 """
 from __future__ import annotations
 
 import torch
+
+from dataclasses import replace
 
 from megatron_omni.algorithms import FlowGRPOMicroBatch
 from megatron_omni.rollout.engine import Trajectory
@@ -18,8 +24,25 @@ def _pairs(trajs: list[Trajectory]) -> list[tuple[int, int]]:
     return [(i, j) for i, tr in enumerate(trajs) for j in torch.nonzero(tr.trained).flatten().tolist()]
 
 
+def _reused_uncond(trajs: list[Trajectory], chunk: list[tuple[int, int]]) -> torch.Tensor:
+    """[B, I, C] the rollout's uncond output of each (sample, step) pair of ``chunk``."""
+    rows = []
+    for i, j in chunk:
+        tr = trajs[i]
+        if tr.uncond_velocity is None:
+            raise ValueError(f"trajectory {i} has no uncond_velocity to reuse: generate with "
+                             f"Request(keep_uncond_velocity=True) and true CFG")
+        rows.append(tr.uncond_velocity[int(tr.trained[:j].sum())])  # kept in trained-step order
+    return torch.stack(rows).float()
+
+
+def without_reused_uncond(mbs: list[FlowGRPOMicroBatch]) -> list[FlowGRPOMicroBatch]:
+    """The micro-batches with the uncond branch recomputed: for any step after the policy was updated."""
+    return [replace(mb, uncond_velocity=None) for mb in mbs]
+
+
 def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text: TextTable,
-                      size: int) -> list[FlowGRPOMicroBatch]:
+                      size: int, reuse_uncond: bool = False) -> list[FlowGRPOMicroBatch]:
     req = trajs[0].request
     if any((t.request.img_fhw, t.request.noise_level, t.request.guidance_scale) !=
            (req.img_fhw, req.noise_level, req.guidance_scale) for t in trajs):
@@ -39,6 +62,8 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
             u_emb, u_mask = zip(*(text[t.request.negative_prompt] for t in rows))
             uncond = dict(uncond_txt=torch.stack(u_emb).to(device), uncond_mask=torch.stack(u_mask).to(device),
                           guidance_scale=req.guidance_scale, cfg_rescale=req.cfg_rescale)
+            if reuse_uncond:
+                uncond["uncond_velocity"] = _reused_uncond(trajs, chunk).to(device)
         out.append(FlowGRPOMicroBatch(
             x_t=torch.stack([t.latents[j] for t, j in zip(rows, steps)]),
             txt=torch.stack(emb).to(device), txt_mask=torch.stack(mask).to(device), img_fhw=req.img_fhw,

@@ -7,6 +7,7 @@ the step runs one padded, batched forward.  In float32 those two agree only to ~
 differ by as much), so the CFG case runs the model in float64, where any real difference would show
 far above 1e-6.  Without CFG the float32 gradients agree exactly."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -170,3 +171,105 @@ def test_bf16_model_takes_float32_rollout_latents(single_rank):
             assert mb.x_t.dtype == torch.float32
             expected = step_log_prob(guided_velocity(model(*model_inputs(mb, torch.bfloat16)), mb), mb)[1]
             assert torch.equal(out["log_prob"], expected)
+
+
+def _megatron_grads(model, mbs, cfg, reference=None):
+    """(per-parameter grads, per-micro-batch metrics) of megatron's schedule over ``mbs``."""
+    model.zero_grad(set_to_none=True)
+    with cuda_factories_on_cpu():
+        metrics = get_forward_backward_func()(
+            forward_step_func=flow_grpo_forward_step(cfg, reference), data_iterator=iter(mbs), model=model,
+            num_microbatches=len(mbs), seq_length=1, micro_batch_size=mbs[0].t.numel(), forward_only=False)
+    return _grads(model), metrics
+
+
+def _with_rollout_uncond(model, mbs):
+    """The micro-batches carrying the uncond output of the weights they were scored with, as the rollout keeps
+    it: the uncond half of the batched forward (the rollout's own forward of these inputs)."""
+    out = []
+    for mb in mbs:
+        with torch.no_grad():
+            v_u = model(*model_inputs(mb))[mb.t.numel():].float() if mb.has_cfg else None
+        out.append(replace(mb, uncond_velocity=v_u))
+    return out
+
+
+def _cfg_micro_batches(model, arch, dtype, b=4, count=2):
+    """CFG micro-batches of ``b`` pairs (padded prompt text longer than the negative prompt's), x_t' drawn from
+    the policy's step and old log-probs offset so that ratios fall inside and outside the clip range (1e-4)."""
+    g = torch.Generator().manual_seed(5)
+    n_img, e = FHW[0] * FHW[1] * FHW[2], arch.joint_attention_dim
+    mbs = []
+    for i in range(count):
+        t = torch.rand(b, generator=g) * 0.6 + 0.3
+        t[0] = 1.0
+        mask = torch.ones(b, 6, dtype=torch.bool)
+        mask[1, 4:] = False
+        mb = FlowGRPOMicroBatch(
+            x_t=torch.randn(b, n_img, arch.in_channels, generator=g).to(dtype),
+            txt=torch.randn(b, 6, e, generator=g).to(dtype), txt_mask=mask, img_fhw=FHW,
+            x_next=torch.zeros(b, n_img, arch.in_channels, dtype=dtype), t=t, t_next=t - 0.2,
+            old_log_prob=torch.zeros(b), advantage=torch.randn(b, generator=g), noise_level=NOISE, sigma_1=SIGMA_1,
+            uncond_txt=torch.randn(b, 3, e, generator=g).to(dtype), guidance_scale=CFG_SCALE)
+        with torch.no_grad():
+            mean, _, std = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)
+            mb.x_next = (mean + std * torch.randn(mean.shape, generator=g)).to(dtype)
+            _, log_prob, _ = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)
+        mb.old_log_prob = log_prob + torch.tensor([3e-4, -2e-5, 5e-5, -3e-4])[:b] * (1 - 2 * (i % 2))
+        mbs.append(mb)
+    return mbs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("lora_kl", [False, True], ids=["full", "lora_kl"])
+def test_reused_uncond_matches_batched_cfg(single_rank, lora_kl, dtype):
+    """First optimizer step after a rollout: cond rows only + the rollout's v_u give the loss and every
+    gradient of the batched cond + uncond forward (1e-6 relative), and the same re-scored log π; with KL
+    the reference still runs its own uncond rows.  Micro-batches of 4 pairs: the CPU's float32 kernels give
+    a row the same bits in a forward of 4 rows as of 8 (with 2 rows the conditioning linears take another
+    kernel and differ in the last bit, which CFG 4 amplifies to ~1e-5 in the gradients)."""
+    arch = tiny_config()
+    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group, dtype=dtype)
+    reference = None
+    if lora_kl:
+        apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+        reference = disable_adapters
+    mbs = _cfg_micro_batches(model, arch, dtype)
+    cfg = FlowGRPOLossConfig(clip_range=1e-4, kl_beta=0.3 if lora_kl else 0.0)
+    batched, batched_metrics = _megatron_grads(model, mbs, cfg, reference)
+    reused_mbs = _with_rollout_uncond(model, mbs)
+    assert all(not mb.uncond_rows and model_inputs(mb)[0].shape[0] == mb.t.numel() for mb in reused_mbs)
+    reused, reused_metrics = _megatron_grads(model, reused_mbs, cfg, reference)
+    errs = {n: rel_err(reused[n], batched[n]) for n in batched}
+    worst = max(errs, key=errs.get)
+    loss_err = max(abs(a["loss"].item() / b["loss"].item() - 1) for a, b in zip(reused_metrics, batched_metrics))
+    print(f"reused uncond ({'LoRA + KL' if lora_kl else 'full'}, {dtype}): loss rel err {loss_err:.1e}, worst grad "
+          f"rel err {worst} {errs[worst]:.1e} over {len(errs)} tensors")
+    assert errs[worst] <= TOL, worst
+    assert loss_err <= TOL
+    assert sum(int(batched[n].abs().max() > 0) for n in batched) > len(batched) // 2
+    assert all((m["kl"].item() > 0) == lora_kl for m in reused_metrics)
+    ratios = torch.stack([m["ratio_mean"] for m in batched_metrics])
+    assert torch.all(ratios != 1)
+    with torch.no_grad():  # the forward-only log-prob recomputation before any update
+        for mb, rmb in zip(mbs, reused_mbs):
+            lp = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)[1]
+            lp_reused = step_log_prob(guided_velocity(model(*model_inputs(rmb)), rmb), rmb)[1]
+            assert torch.allclose(lp_reused, lp, rtol=TOL, atol=0)
+
+
+def test_reused_uncond_needs_its_rows_or_the_velocity():
+    mb = FlowGRPOMicroBatch(x_t=torch.zeros(2, 4, 3), txt=torch.zeros(2, 5, 7), txt_mask=None, img_fhw=FHW,
+                            x_next=torch.zeros(2, 4, 3), t=torch.ones(2), t_next=torch.zeros(2),
+                            old_log_prob=torch.zeros(2), advantage=torch.zeros(2), noise_level=NOISE, sigma_1=SIGMA_1,
+                            uncond_txt=torch.zeros(2, 3, 7), guidance_scale=CFG_SCALE)
+    assert mb.uncond_rows and model_inputs(mb)[0].shape[0] == 4
+    with pytest.raises(ValueError, match="no uncond_velocity"):
+        guided_velocity(torch.zeros(2, 4, 3), mb)
+    reused = replace(mb, uncond_velocity=torch.ones(2, 4, 3))
+    assert not reused.uncond_rows and model_inputs(reused)[1].shape == (2, 5, 7)  # cond text, not padded to U
+    assert guided_velocity(torch.ones(2, 4, 3), reused).shape == (2, 4, 3)

@@ -1,6 +1,7 @@
 """EmbeddedEngine on the tiny Qwen-Image model at random init: batching invariance, the submit() queue,
 prompt caching, request validation, and load_weights through the HF <-> Megatron mapping table."""
 import random
+from dataclasses import replace
 import zlib
 
 import pytest
@@ -229,3 +230,36 @@ def test_sleep_and_wake_are_no_ops_on_cpu(model):
     traj = engine.generate([Request(prompt="x", img_fhw=FHW, num_steps=2, seed=0)])[0]
     engine.wake()
     assert traj.latents.shape[0] == 3 and next(model.parameters()).device.type == "cpu"
+
+
+def test_kept_uncond_velocity_is_the_one_the_rollout_combined(model):
+    """keep_uncond_velocity: per trained step the uncond output, float32 [K, S_I, C]; with the cond output of
+    the same step it reproduces the rollout's step (its log-prob); other requests keep nothing."""
+    from megatron_omni.rollout.samplers import cfg_combine, gaussian_log_prob, sde_mean_std
+
+    encoder = ToyEncoder()
+    engine = EmbeddedEngine(model, ARCH, encoder, EngineConfig(max_num_seqs=8))
+    reqs = [r for r in _requests() if r.guidance_scale > 1]
+    kept = engine.generate([replace(r, keep_uncond_velocity=True) for r in reqs[:2]] + reqs[2:])
+    plain = engine.generate(reqs)
+    for tr, ref in zip(kept, plain):  # recording changes nothing of the rollout
+        for name in ("latents", "log_probs", "trained"):
+            assert torch.equal(getattr(tr, name), getattr(ref, name)), name
+    assert all(tr.uncond_velocity is None for tr in kept[2:] + plain)
+    for tr in kept[:2]:
+        k = int(tr.trained.sum())
+        assert tr.uncond_velocity.shape == (k, 16, ARCH.in_channels) and tr.uncond_velocity.dtype == torch.float32
+        emb, mask = encoder([tr.request.prompt, ""])
+        for slot, j in enumerate(torch.nonzero(tr.trained).flatten().tolist()):
+            x = tr.latents[j:j + 1]
+            t = tr.sigmas[j].expand(1)
+            with torch.no_grad():
+                v_c = model(x, emb[:1, :int(mask[0].sum())], t, FHW, None)
+                v_u = model(x, emb[1:, :int(mask[1].sum())], t, FHW, None)
+            torch.testing.assert_close(tr.uncond_velocity[slot], v_u[0].float(), rtol=1e-4, atol=1e-4)
+            v = cfg_combine(v_c, tr.uncond_velocity[slot:slot + 1], tr.request.guidance_scale, tr.request.cfg_rescale)
+            mean, std = sde_mean_std(x, v, t, tr.sigmas[j + 1].expand(1), tr.request.noise_level, tr.sigmas[1])
+            torch.testing.assert_close(gaussian_log_prob(tr.latents[j + 1:j + 2], mean, std), tr.log_probs[j:j + 1],
+                                       rtol=1e-5, atol=1e-4)
+    no_cfg = engine.generate([replace(_requests()[4], keep_uncond_velocity=True)])[0]
+    assert no_cfg.uncond_velocity is None  # no uncond branch without CFG

@@ -60,3 +60,68 @@ def test_lora_run_trains_adapters_only_with_kl_to_the_base(tmp_path, single_rank
     # the engine received merged weights: W + (alpha/r) B A, not the bare base
     assert any(m.delta_weight().abs().max() > 0 for m in __import__("model_specs.common.lora", fromlist=["x"])
                .lora_modules(run.policy.module).values())
+
+
+CFG = TINY + ["train.steps=2", "rollout.guidance_scale=3.0"]
+
+
+def test_reused_uncond_first_optimizer_step_only_same_metrics(tmp_path, single_rank, task, monkeypatch):
+    """True CFG, 16 pairs in 2 optimizer steps per RL step: the first step (and the log-prob check before it)
+    runs on the rollout's uncond outputs, the second recomputes them; the metrics equal those of a run that
+    recomputes everywhere to float32 rounding.  Without CFG nothing is kept or reused."""
+    from megatron_omni.trainer import flow_grpo
+
+    seen = []  # per run_microbatches call: (forward only, which micro-batches carry a reused uncond output)
+
+    def spy(policy, forward_step, mbs, forward_only=False, **kw):
+        seen.append((forward_only, [mb.uncond_velocity is not None for mb in mbs]))
+        return run_microbatches(policy, forward_step, mbs, forward_only=forward_only, **kw)
+
+    run_microbatches = flow_grpo.run_microbatches
+    monkeypatch.setattr(flow_grpo, "run_microbatches", spy)
+    _, reused = train(load_config("digits_flow_grpo", None, CFG), single_rank, task, tmp_path / "reused")
+    # per RL step: the check (4 samples x 2 steps = 1 micro-batch), then 2 optimizer steps of 1 micro-batch
+    assert seen == [(True, [True]), (False, [True]), (False, [False])] * 2
+    seen.clear()
+    _, recomputed = train(load_config("digits_flow_grpo", None, CFG + ["algorithm.reuse_rollout_uncond=false"]),
+                          single_rank, task, tmp_path / "recomputed")
+    assert seen == [(True, [False]), (False, [False]), (False, [False])] * 2
+    # RL step 0: rollouts and weights equal, only the first optimizer step's rounding can differ (measured: all
+    # equal but grad_norm, 7e-13 relative); step 1 starts from weights that differ by that rounding (measured
+    # worst: the loss, -3.8e-6 +- 2.3e-10, 6e-5 relative; rewards 2e-8)
+    worst = [0.0, 0.0]
+    for step, (a, b) in enumerate(zip(reused, recomputed)):
+        assert a.keys() == b.keys() and a["optimizer_steps"] == 2
+        for key in a.keys() - set(TIMING):
+            worst[step] = max(worst[step], abs(a[key] - b[key]) / max(abs(b[key]), 1e-30))
+            assert a[key] == pytest.approx(b[key], rel=1e-9 if step == 0 else 1e-4, abs=1e-9), key
+    print(f"reused vs recomputed uncond: worst metric rel diff step 0 {worst[0]:.1e}, step 1 {worst[1]:.1e}")
+    seen.clear()
+    _, plain = train(load_config("digits_flow_grpo", None, TINY + ["train.steps=1"]), single_rank, task,
+                     tmp_path / "no_cfg")
+    assert seen == [(True, [False]), (False, [False]), (False, [False])]  # the demo's setting: no CFG
+
+
+def test_microbatches_take_each_pairs_own_kept_uncond_output():
+    """Trajectory.uncond_velocity holds the trained steps in order: pair (i, j) takes slot trained[:j].sum();
+    a trajectory that kept none is refused; later optimizer steps drop the reused outputs."""
+    import torch
+
+    from megatron_omni.rollout.engine import Request, Trajectory
+    from megatron_omni.trainer.flow_grpo import optimizer_step_batches
+    from megatron_omni.trainer.microbatches import grpo_microbatches
+
+    req = Request(prompt="p", guidance_scale=3.0, img_fhw=(1, 1, 2), num_steps=4)
+    trained = torch.tensor([False, True, False, True])
+    trajs = [Trajectory(req, torch.randn(5, 2, 3), torch.linspace(1, 0, 5), torch.zeros(4), trained,
+                        uncond_velocity=torch.arange(12.0).view(2, 2, 3) + 100 * i) for i in range(2)]
+    text = {p: (torch.zeros(n, 4), torch.ones(n, dtype=torch.bool)) for p, n in (("p", 3), ("", 2))}
+    mbs = grpo_microbatches(trajs, torch.zeros(2), text, size=3, reuse_uncond=True)
+    kept = torch.cat([mb.uncond_velocity for mb in mbs])
+    assert torch.equal(kept, torch.cat([trajs[0].uncond_velocity, trajs[1].uncond_velocity]))
+    steps = optimizer_step_batches(mbs, 1)
+    assert [mb.uncond_velocity is not None for (mb,) in steps] == [True, False]
+    assert steps[1][0].uncond_rows and steps[1][0].uncond_txt is not None
+    trajs[1].uncond_velocity = None
+    with pytest.raises(ValueError, match="trajectory 1 has no uncond_velocity"):
+        grpo_microbatches(trajs, torch.zeros(2), text, size=3, reuse_uncond=True)

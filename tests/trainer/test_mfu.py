@@ -27,3 +27,14 @@ def test_lora_cfg_recipe_is_26_forwards_per_image():
 def test_step_flops_backward_of_a_frozen_base():
     assert step_flops(1.0, rollout_rows=10, check_rows=2, train_rows=4, extra_forward_rows=4) == 10 + 2 + 12 + 4
     assert step_flops(1.0, 10, 2, 4, 4, frozen_base=True) == 10 + 2 + 8 + 4
+
+
+def test_reused_uncond_counts_no_uncond_forward():
+    """With the rollout's uncond output reused, a trained pair of the LoRA + CFG recipe is 2 forward-equivalents
+    (cond forward + activation backward): 24 per image instead of 26."""
+    phases = flow_grpo_flops(1.0, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True,
+                             reused_uncond_pairs=32, check_pairs=4, check_reuses_uncond=True)
+    assert phases == {"rollout": 320.0, "train": 64.0, "check": 4.0}
+    half = flow_grpo_flops(1.0, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True,
+                           reused_uncond_pairs=16)
+    assert half["train"] == 32 * 2 + 16
