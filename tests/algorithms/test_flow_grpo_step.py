@@ -96,12 +96,7 @@ def _grads(model):
 
 def _compare(model, mbs, cfg, reference=None):
     """(per-parameter grad rel err, megatron's per-micro-batch metrics, plain per-micro-batch losses, ratios)."""
-    model.zero_grad(set_to_none=True)
-    with cuda_factories_on_cpu():
-        metrics = get_forward_backward_func()(
-            forward_step_func=flow_grpo_forward_step(cfg, reference), data_iterator=iter(mbs), model=model,
-            num_microbatches=len(mbs), seq_length=1, micro_batch_size=mbs[0].t.numel(), forward_only=False)
-    megatron_grads = _grads(model)
+    megatron_grads, metrics = _megatron_grads(model, mbs, cfg, reference)
     model.zero_grad(set_to_none=True)
     losses, ratios = zip(*(_plain_loss(model, mb, cfg) for mb in mbs))
     (sum(losses) / len(mbs)).backward()
