@@ -18,11 +18,13 @@ import torch
 from _flow_grpo_parts import NEGATIVE, EndToEnd, PhaseTimer, Recipe, synchronize
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.algorithms import FlowGRPOLossConfig, flow_grpo_forward_step, group_advantages
+from megatron_omni.compile import compile_blocks
 from megatron_omni.parallel.state import ParallelState
 from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request
 from megatron_omni.sync import HFExporter, push_weights
 from megatron_omni.trainer.microbatches import grpo_microbatches
 from megatron_omni.trainer.policy import Policy, build_policy, run_microbatches
+from megatron_omni.trainer.policy import compile_blocks as compile_policy_blocks
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, base_parameters, target_name
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -69,7 +71,8 @@ def rollout_model_sharing_base(policy: Policy, recipe: Recipe) -> QwenImageModel
     return model.eval()
 
 
-def build_ours(recipe: Recipe, state: ParallelState, compile_mode: str | None) -> Ours:
+def build_ours(recipe: Recipe, state: ParallelState, compile_mode: str | None,
+               compile_train: str | None = None) -> Ours:
     start = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(recipe.device):  # megatron's "CPU" init then draws on the device: seconds, not minutes
@@ -79,9 +82,10 @@ def build_ours(recipe: Recipe, state: ParallelState, compile_mode: str | None) -
                             config=EngineConfig(max_num_seqs=recipe.rollout_batch))
     exporter = HFExporter(policy.module, state.tp_group, mode="lora", bucket_bytes=SYNC_BUCKET)
     push_weights(engine, exporter, SYNC_BUCKET)  # the engine's adapters start as the policy's
-    if compile_mode:  # one compiled graph per block shape: the 60 blocks share it (parameters are inputs)
-        for block in engine.model.blocks:
-            block.compile(mode=compile_mode, dynamic=False)
+    if compile_mode:
+        compile_blocks(engine.model, compile_mode)
+    if compile_train:
+        compile_policy_blocks(policy, compile_train)
     forward_step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=recipe.clip_range))
     synchronize(recipe.device)
     built = time.perf_counter() - start

@@ -42,7 +42,8 @@ class Recipe:
     group: int = 16
     prompts: int = 1
     rollout_batch: int = 16  # samples per rollout forward: 32 rows with CFG
-    micro_batch: int = 4  # (sample, step) pairs per training forward
+    micro_batch: int = 4  # (sample, step) pairs per training forward of ours
+    reference_micro_batch: int = 4  # the peer loop's, as BENCHMARKS.md measured it
     # ours: the one optimizer step per RL step reuses the rollout's uncond outputs (weights unchanged since)
     reuse_uncond: bool = True
     lora_rank: int = 64

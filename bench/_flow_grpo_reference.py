@@ -103,7 +103,7 @@ def _train(ref: Reference, pairs: dict[str, torch.Tensor], adv: torch.Tensor) ->
     r = ref.recipe
     loss_config = FlowGRPOLossConfig(clip_range=r.clip_range)
     n = pairs["t"].numel()
-    chunks = [slice(k, k + r.micro_batch) for k in range(0, n, r.micro_batch)]
+    chunks = [slice(k, k + r.reference_micro_batch) for k in range(0, n, r.reference_micro_batch)]
     metrics = []
     for s in chunks:
         x_t, t, prompt = pairs["x_t"][s], pairs["t"][s], pairs["prompt"][s]

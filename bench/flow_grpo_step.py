@@ -1,14 +1,14 @@
 """One FlowGRPO step of the VeRL-Omni Qwen-Image OCR recipe's shape on a full-size random-init Qwen-Image DiT
 (20.4 B, bf16), ours beside the diffusers + peft peer loop, on one GPU in one run.  Prints one table.
 
-    python bench/flow_grpo_step.py [--steps 5] [--group 16] [--prompts 1] [--compile default] [--skip-reference]
-                                   [--no-reuse-uncond]
+    python bench/flow_grpo_step.py [--steps 5] [--group 16] [--prompts 1] [--compile default]
+                                   [--compile-train default] [--micro-batch 4] [--skip-reference] [--no-reuse-uncond]
     python bench/flow_grpo_step.py --smoke      # tiny model on the CPU: checks the script runs; times mean nothing
 
 Recipe: 512x512 (1024 image tokens, 64 packed channels) + 128 text tokens, 10 rollout steps (SDE noise 1.2),
 true CFG 4 (cond + uncond rows in one forward), an SDE window of 2 steps inside steps 0..4, group 16 per
 prompt, LoRA r64 / alpha 128 on the 12 usual linears (424.7 M params), training micro-batches of 4 (sample,
-step) pairs, one optimizer step per RL step, clip 1e-5, lr 3e-4.
+step) pairs (ours: ``--micro-batch``; the reference keeps 4), one optimizer step per RL step, clip 1e-5, lr 3e-4.
 
 Each loop runs one warm-up step, then ``--steps`` timed steps; the table shows medians, every phase timed
 with the device synchronised at both ends.
@@ -61,16 +61,18 @@ def _timed_steps(step_fn, steps: int, result: LoopResult, phases: tuple[str, ...
     result.seconds = medians(timed)
 
 
-def run_ours(recipe: Recipe, steps: int, compile_mode: str | None) -> LoopResult:
+def run_ours(recipe: Recipe, steps: int, compile_mode: str | None, compile_train: str | None = None) -> LoopResult:
     from _flow_grpo_ours import build_ours, ours_step
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
-    result = LoopResult("ours" + (f" (blocks compiled: {compile_mode})" if compile_mode else " (eager)")
+    compiled = ", ".join(f"{what}: {mode}" for what, mode in (("rollout", compile_mode), ("train", compile_train))
+                         if mode)
+    result = LoopResult("ours" + (f" (compiled {compiled})" if compiled else " (eager)")
                         + ("" if recipe.reuse_uncond else ", uncond recomputed"), reused_uncond=recipe.reuse_uncond)
     state = init_parallel(device=recipe.device.type, seed=0)
     ours = e2e = None
     try:
-        ours = build_ours(recipe, state, compile_mode)
+        ours = build_ours(recipe, state, compile_mode, compile_train)
         build, first = ours.build_seconds, ours.first_forward_seconds
         result.notes.append(f"ours ready in {build + first:.1f} s: build {build:.1f} s (policy with LoRA "
                             f"{ours.trainable_params / 1e6:.1f} M params, DDP + optimizer, the engine's view of the "
@@ -190,6 +192,8 @@ def main(argv=None) -> None:
     p.add_argument("--group", type=int, default=16, help="samples per prompt")
     p.add_argument("--prompts", type=int, default=1, help="prompts per RL step")
     p.add_argument("--compile", metavar="MODE", help="compile each block of our rollout model, e.g. default")
+    p.add_argument("--compile-train", metavar="MODE", help="compile each block of our policy (training), e.g. default")
+    p.add_argument("--micro-batch", type=int, default=4, help="(sample, step) pairs per training forward")
     p.add_argument("--text-layers", type=int, default=28, help="layers of the text encoder (28 = Qwen2.5-VL-7B)")
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
     p.add_argument("--no-reuse-uncond", action="store_true",
@@ -197,15 +201,16 @@ def main(argv=None) -> None:
                         "rollout's uncond outputs")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, < 2 min: checks the script")
     args = p.parse_args(argv)
-    if min(args.steps, args.group, args.prompts, args.text_layers) < 1:
+    if min(args.steps, args.group, args.prompts, args.text_layers, args.micro_batch) < 1:
         p.error(f"--steps {args.steps}, --group {args.group}, --prompts {args.prompts}, --text-layers "
-                f"{args.text_layers}: expected integers >= 1")
+                f"{args.text_layers}, --micro-batch {args.micro_batch}: expected integers >= 1")
     steps = min(args.steps, 2) if args.smoke else args.steps
-    overrides = dict(group=args.group, prompts=args.prompts, reuse_uncond=not args.no_reuse_uncond)
+    overrides = dict(group=args.group, prompts=args.prompts, reuse_uncond=not args.no_reuse_uncond,
+                     micro_batch=args.micro_batch)
     if not args.smoke:
         overrides["text_layers"] = args.text_layers
     recipe = make_recipe(args.smoke, **overrides)
-    results = [run_ours(recipe, steps, args.compile)]
+    results = [run_ours(recipe, steps, args.compile, args.compile_train)]
     if not args.skip_reference:
         results.append(run_reference(recipe, steps))
     print_table(recipe, results, steps)

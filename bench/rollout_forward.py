@@ -2,7 +2,8 @@
 diffusers' QwenImageTransformer2DModel, same GPU, same run.  Random init, bf16, 512x512 (1024 image
 tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one table.
 
-    python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5]
+    python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
+                                    [--no-eager] [--no-reference] [--profile]
 
 MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, BENCHMARKS.md); FLOPs from
 model_specs/qwen_image/flops.py (16.6 TFLOP per image at 512x512).
@@ -47,7 +48,7 @@ def _inputs(arch: QwenImageConfig, batch: int):
             torch.rand(batch, device="cuda", generator=g))
 
 
-def ours(arch, batches, repeats, compile_mode=None):
+def ours(arch, batches, repeats, compile_mode=None, profile=False):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from model_specs.qwen_image.model import QwenImageModel
     from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -57,9 +58,9 @@ def ours(arch, batches, repeats, compile_mode=None):
     model = QwenImageModel(arch, cfg, state.tp_group, qwen_image_block_spec("local")).cuda().eval()
     out = {}
     if compile_mode:
-        # one compiled graph per block shape: the 60 blocks share it (parameters are graph inputs)
-        for block in model.blocks:
-            block.compile(mode=compile_mode, dynamic=False)
+        from megatron_omni.compile import compile_blocks
+
+        compile_blocks(model, compile_mode)
     with torch.no_grad():
         for b in batches:
             img, txt, sigma = _inputs(arch, b)
@@ -70,6 +71,12 @@ def ours(arch, batches, repeats, compile_mode=None):
             out[b] = _time(lambda: model(img, txt, sigma, FHW, None), repeats)
             print(f"ours{' compiled ' + compile_mode if compile_mode else ''} batch {b}: first call {first:.1f} s, "
                   f"{out[b]:.1f} ms", flush=True)
+            if profile and b == max(batches):
+                from _profile import graph_breaks, profile_kernels
+
+                profile_kernels(lambda: model(img, txt, sigma, FHW, None),
+                                f"forward batch {b} {compile_mode or 'eager'}")
+                print(graph_breaks(), flush=True)
     del model
     destroy_parallel()
     return out
@@ -105,13 +112,15 @@ def main() -> None:
     p.add_argument("--compile", nargs="*", default=[], metavar="MODE",
                    help="also time ours with every block under torch.compile(mode=MODE), e.g. default max-autotune-no-cudagraphs")
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
+    p.add_argument("--no-eager", action="store_true", help="time ours only under the --compile modes")
+    p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
     args = p.parse_args()
     arch = QwenImageConfig(num_layers=args.layers)
-    results = {"megatron-omni": ours(arch, args.batches, args.repeats)}
+    results = {} if args.no_eager else {"megatron-omni": ours(arch, args.batches, args.repeats, profile=args.profile)}
     for mode in args.compile:
         gc.collect()
         torch.cuda.empty_cache()
-        results[f"ours+{mode}"] = ours(arch, args.batches, args.repeats, mode)
+        results[f"ours+{mode}"] = ours(arch, args.batches, args.repeats, mode, args.profile)
     gc.collect()
     torch.cuda.empty_cache()
     if not args.no_reference:

@@ -1,0 +1,68 @@
+"""Where the GPU time of one call goes: kernels grouped by kind (matmul, attention, fused Triton, element-wise,
+communication, ...), the GPU's busy fraction of the wall time, and the heaviest kernels.  Shared by the
+benchmarks' ``--profile`` flags; prints a short table.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+# first match wins; names are CUDA kernel names as the profiler reports them
+KINDS = (
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),
+    ("matmul", r"gemm|nvjet|xmma|cutlass|cublas|matmul|sm90_|sm100_"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("triton (fused)", r"^triton_"),
+    ("reduction / norm", r"reduce|norm|softmax"),
+    ("copy / cat", r"copy|cat|memcpy|memset|fill|index"),
+    ("element-wise", r"elementwise|vectorized|unrolled"),
+)
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")
+
+
+def profile_kernels(fn, title: str, top: int = 12) -> dict[str, float]:
+    """Run ``fn`` once under torch.profiler (CUDA synchronised around it); print milliseconds per kernel
+    kind and the ``top`` heaviest kernels; return {kind: ms} plus 'wall' and 'kernels'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    per_kernel: dict[str, tuple[float, int]] = {}
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA or evt.device_time_total <= 0:
+            continue
+        ms, n = per_kernel.get(evt.name, (0.0, 0))
+        per_kernel[evt.name] = (ms + evt.device_time_total / 1e3, n + 1)
+    by_kind: dict[str, float] = {}
+    for name, (ms, _) in per_kernel.items():
+        by_kind[kind(name)] = by_kind.get(kind(name), 0.0) + ms
+    total = sum(by_kind.values())
+    print(f"--- {title}: wall {wall_ms:.1f} ms, kernels {total:.1f} ms (GPU busy {total / wall_ms:.0%} if on one "
+          f"stream) ---")
+    for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<18} {ms:>9.1f} ms {ms / total:>6.1%}")
+    print("  heaviest kernels:")
+    for name, (ms, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {ms:>9.1f} ms {n:>6}x  [{kind(name)}] {name[:110]}")
+    return {**by_kind, "wall": wall_ms, "kernels": total}
+
+
+def graph_breaks() -> str:
+    """torch.compile's graph breaks so far, by reason (a fused region ends at each)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters.get("graph_break", {})
+    if not breaks:
+        return "graph breaks: none"
+    return "graph breaks: " + "; ".join(f"{n}x {reason[:160]}" for reason, n in breaks.items())
