@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
+from collections import Counter
 
 import torch
 
@@ -27,13 +29,15 @@ def kind(name: str) -> str:
     return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")
 
 
-def profile_kernels(fn, title: str, top: int = 12) -> dict[str, float]:
+def profile_kernels(fn, title: str, top: int = 12, host: bool = False) -> dict[str, float]:
     """Run ``fn`` once under torch.profiler (CUDA synchronised around it); print milliseconds per kernel
-    kind and the ``top`` heaviest kernels; return {kind: ms} plus 'wall' and 'kernels'."""
+    kind and the ``top`` heaviest kernels (with ``host``, also the host-side ops that took the most CPU
+    time: where a step that leaves the GPU idle spends it); return {kind: ms} plus 'wall' and 'kernels'."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -55,7 +59,31 @@ def profile_kernels(fn, title: str, top: int = 12) -> dict[str, float]:
     print("  heaviest kernels:")
     for name, (ms, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {ms:>9.1f} ms {n:>6}x  [{kind(name)}] {name[:110]}")
+    if host:
+        print("  host: ops by self CPU time")
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+        for e in rows:
+            print(f"  {e.self_cpu_time_total / 1e3:>9.1f} ms {e.count:>6}x  {e.key[:110]}")
     return {**by_kind, "wall": wall_ms, "kernels": total}
+
+
+def sync_points(fn, top: int = 10) -> Counter:
+    """Run ``fn`` with CUDA's sync debug mode on; print the Python lines where the host waited for the
+    device (each such wait drains the GPU's queue), most frequent first."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = Counter(f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
+                    if "synchroniz" in str(w.message).lower())
+    print(f"  host waits for the device: {sum(where.values())}")
+    for place, n in where.most_common(top):
+        print(f"  {n:>6}x  {place}")
+    return where
 
 
 def graph_breaks() -> str:

@@ -93,10 +93,11 @@ def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, s
             synchronize(recipe.device)
             times.append(time.perf_counter() - t0)
         if profile and recipe.device.type == "cuda":
-            from _profile import graph_breaks, profile_kernels
+            from _profile import graph_breaks, profile_kernels, sync_points
 
             profile_kernels(lambda: run_microbatches(policy, step, mbs),
-                            f"train {mode} micro-batch {micro_batch} {compile_mode or 'eager'}")
+                            f"train {mode} micro-batch {micro_batch} {compile_mode or 'eager'}", host=True)
+            sync_points(lambda: run_microbatches(policy, step, mbs))
             print(graph_breaks())
         ratio = torch.stack([torch.as_tensor(m["ratio_mean"]).float() for m in out]).mean().item()
         trained = sum(p.numel() for p in policy.module.parameters() if p.requires_grad)

@@ -41,6 +41,6 @@ def linear_backend(name: str = "auto") -> LinearBackend:
                          "(pip install 'megatron-omni[te]'), or use backend 'local'")
     if te is not None and (name == "te" or torch.cuda.is_available()):
         return LinearBackend("te", *te)
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron_omni.parallel.linears import ColumnParallelLinear, RowParallelLinear
 
     return LinearBackend("local", ColumnParallelLinear, RowParallelLinear)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 from megatron.core.enums import ModelType
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -30,6 +29,7 @@ from model_specs.qwen_image.conditioning import (
 )
 from model_specs.qwen_image.config import QwenImageConfig
 from model_specs.qwen_image.spec import NORM_EPS, qwen_image_block_spec
+from megatron_omni.parallel.linears import ColumnParallelLinear, RowParallelLinear
 from megatron_omni.parallel.usp import ContextParallelGroups, gather_sequence
 
 

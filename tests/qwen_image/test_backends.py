@@ -2,7 +2,7 @@
 import importlib.util
 
 import pytest
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_omni.parallel.linears import ColumnParallelLinear, RowParallelLinear
 
 from model_specs.common.backends import linear_backend
 
