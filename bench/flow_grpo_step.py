@@ -61,7 +61,8 @@ def _timed_steps(step_fn, steps: int, result: LoopResult, phases: tuple[str, ...
     result.seconds = medians(timed)
 
 
-def run_ours(recipe: Recipe, steps: int, compile_mode: str | None, compile_train: str | None = None) -> LoopResult:
+def run_ours(recipe: Recipe, steps: int, compile_mode: str | None, compile_train: str | None = None,
+             profile: bool = False) -> LoopResult:
     from _flow_grpo_ours import build_ours, ours_step
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
@@ -81,6 +82,11 @@ def run_ours(recipe: Recipe, steps: int, compile_mode: str | None, compile_train
         e2e = EndToEnd.build(recipe)
         result.notes += e2e.describe()
         _timed_steps(lambda step: ours_step(ours, e2e, step), steps, result, OURS_PHASES)
+        if profile and recipe.device.type == "cuda":
+            from _profile import sync_points
+
+            print("--- ours, one more step: where the host waits for the device ---")
+            sync_points(lambda: ours_step(ours, e2e, steps + 1))
     except torch.OutOfMemoryError as e:
         result.error = (f"out of memory ({str(e).splitlines()[0]}); --text-layers N shrinks the text encoder "
                         f"(14 GB at 28 layers)")
@@ -199,6 +205,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-reuse-uncond", action="store_true",
                    help="ours recomputes the uncond branch in training (cond + uncond batched) instead of reusing the "
                         "rollout's uncond outputs")
+    p.add_argument("--profile", action="store_true", help="after ours' timed steps, list where a step's host waits")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, < 2 min: checks the script")
     args = p.parse_args(argv)
     if min(args.steps, args.group, args.prompts, args.text_layers, args.micro_batch) < 1:
@@ -210,7 +217,7 @@ def main(argv=None) -> None:
     if not args.smoke:
         overrides["text_layers"] = args.text_layers
     recipe = make_recipe(args.smoke, **overrides)
-    results = [run_ours(recipe, steps, args.compile, args.compile_train)]
+    results = [run_ours(recipe, steps, args.compile, args.compile_train, args.profile)]
     if not args.skip_reference:
         results.append(run_reference(recipe, steps))
     print_table(recipe, results, steps)

@@ -14,6 +14,13 @@ class ConfigError(ValueError):
     """A configuration a user wrote cannot work; the message names the dotted key and what was expected."""
 
 
+def _check_compile(section: str, mode: Optional[str]) -> None:
+    from megatron_omni.compile import MODES
+
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"{section}.compile: {mode!r} is not a torch.compile mode; expected one of {MODES} or null")
+
+
 def _require_positive(section: str, **values: int) -> None:
     for name, value in values.items():
         if value < 1:
@@ -94,6 +101,8 @@ class TrainConfig:
     global_batch_size: int = 8  # samples per optimizer step over all data-parallel ranks
     save_every: int = 0  # steps between checkpoints; 0 = no periodic checkpoints
     output_dir: str = "runs/demo"
+    # torch.compile mode for the policy's blocks (forward + backward), e.g. "default"; None = eager
+    compile: Optional[str] = None
 
     def validate(self) -> None:
         _require_positive("train", steps=self.steps, micro_batch_size=self.micro_batch_size,
@@ -102,6 +111,7 @@ class TrainConfig:
             raise ConfigError(f"train.lr: expected a float > 0, got {self.lr}")
         if self.save_every < 0:
             raise ConfigError(f"train.save_every: expected an integer >= 0 (0 = never), got {self.save_every}")
+        _check_compile("train", self.compile)
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"train.global_batch_size: {self.global_batch_size} is not a multiple of "
                               f"train.micro_batch_size={self.micro_batch_size}; expected a multiple")
@@ -142,12 +152,15 @@ class RolloutConfig:
     window_range: Optional[tuple[int, int]] = None  # inclusive range of window starts; None = any that fits
     guidance_scale: float = 1.0  # > 1: true CFG with the empty prompt
     max_num_seqs: int = 64  # requests per engine forward
+    # torch.compile mode for the rollout model's blocks, e.g. "default"; None = eager
+    compile: Optional[str] = None
 
     def validate(self) -> None:
         _require_positive("rollout", prompts_per_step=self.prompts_per_step, group_size=self.group_size,
                           num_steps=self.num_steps, max_num_seqs=self.max_num_seqs)
         if self.window_size is not None and not 1 <= self.window_size <= self.num_steps:
             raise ConfigError(f"rollout.window_size: {self.window_size} is outside 1..num_steps={self.num_steps}")
+        _check_compile("rollout", self.compile)
         if not self.noise_level > 0:
             raise ConfigError(f"rollout.noise_level: expected > 0 for trained steps, got {self.noise_level}")
 

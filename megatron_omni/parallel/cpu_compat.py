@@ -35,6 +35,16 @@ def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _cpu_synchronize(device: object = None) -> None:
+    """Stands in for ``torch.cuda.synchronize`` (a no-op: CPU ops are synchronous)."""
+    torch.cpu.synchronize()
+
+
+def _cpu_current_stream(device: object = None):
+    """Stands in for ``torch.cuda.current_stream``: torch's device-agnostic CPU stream."""
+    return torch.cpu.current_stream()
+
+
 def _cpu_rng_state(device: object = "cuda") -> torch.Tensor:
     """Stands in for ``torch.cuda.get_rng_state`` / ``torch.cuda.random.get_rng_state``."""
     return torch.default_generator.get_state()
@@ -96,13 +106,15 @@ def apply_cpu_compat() -> bool:
     torch.cuda.current_device = _cpu_device
     # torch.cuda.synchronize: p2p_communication.py:263,419 (batched p2p / variable seq lengths),
     # dist_checkpointing filesystem_async.py:248 and fully_parallel.py:287,296 (checkpoint save).
-    # CPU ops are synchronous, so the CPU twin is a no-op with the same signature.
-    torch.cuda.synchronize = torch.cpu.synchronize
+    # CPU ops are synchronous, so the CPU twin is a no-op with the same signature.  Distinct function
+    # objects (not torch.cpu's own): torch.compile keeps one handler per function and refuses to register
+    # torch.cpu.synchronize twice ("Handler already registered"), which broke every compile on a CPU.
+    torch.cuda.synchronize = _cpu_synchronize
     # torch.cuda.current_stream: distributed/param_and_grad_buffer.py:632, reached by every DDP
     # finish_grad_sync / start_grad_sync.  torch.cpu.Stream is torch's device-agnostic stand-in whose
     # wait_event / wait_stream are no-ops.  (torch.cuda.Stream / stream() / Event are only reached with
     # num_distributed_optimizer_instances > 1, so they are left alone.)
-    torch.cuda.current_stream = torch.cpu.current_stream
+    torch.cuda.current_stream = _cpu_current_stream
     _route_cuda_rng_to_cpu()
     _APPLIED = True
     return True

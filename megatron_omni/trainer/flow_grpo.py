@@ -32,6 +32,7 @@ from checkpoints_convert.hf_folder import HFFolder
 from checkpoints_convert.mcore_checkpoint import load_model
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.algorithms import FlowGRPOLossConfig, flow_grpo_forward_step, group_advantages
+from megatron_omni.compile import compile_blocks
 from megatron_omni.config.schema import RunConfig
 from megatron_omni.data.tasks import Task
 from megatron_omni.logging import RunLogger
@@ -43,6 +44,7 @@ from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches, without_reused_uncond
 from megatron_omni.trainer.mfu import device_peak_flops, step_flops
 from megatron_omni.trainer.policy import Policy, build_policy, run_microbatches
+from megatron_omni.trainer.policy import compile_blocks as compile_policy_blocks
 from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
 from model_specs.qwen_image.flops import forward_flops
 from model_specs.qwen_image.model import QwenImageModel
@@ -147,6 +149,8 @@ def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
                                state.tp_group, qwen_image_block_spec(cfg.model.backend)).to(state.torch_device)
         if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync, the base once
             _apply_lora(model, cfg)
+        if cfg.rollout.compile:
+            compile_blocks(model, cfg.rollout.compile)
         return EmbeddedEngine(model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs))
     engines = None
     if state.rank == 0:
@@ -192,6 +196,8 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     torch.manual_seed(cfg.train.seed)  # random init (no weights configured) is then a function of the seed
     policy = build_policy(arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad, dtype=dtype,
                           backend=cfg.model.backend, prepare=_initial_weights(cfg, state))
+    if cfg.train.compile:
+        compile_policy_blocks(policy, cfg.train.compile)
     loss_config = FlowGRPOLossConfig(clip_range=cfg.algorithm.clip_range, kl_beta=cfg.algorithm.kl_beta,
                                      kl_form=cfg.algorithm.kl_form)
     # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not

@@ -21,6 +21,7 @@ from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
 from megatron_omni.compile import compile_blocks as _compile_model_blocks
 from megatron_omni.parallel.cpu_compat import cuda_factories_on_cpu
+from megatron_omni.parallel.mcore_fallbacks import use_fast_fallbacks
 from megatron_omni.parallel.pipeline import stage_layers
 from megatron_omni.parallel.state import ParallelState
 
@@ -81,6 +82,7 @@ def build_policy(arch: QwenImageConfig, state: ParallelState, *, lr: float, weig
             prepare(module)
         ddps.append(DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module,
                                             pg_collection=state.pg_collection, disable_bucketing=i > 0))
+    use_fast_fallbacks()  # the grad-norm fallback without apex / TE syncs per tensor
     opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                                  bf16=dtype == torch.bfloat16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.999)
     with cuda_factories_on_cpu():
