@@ -106,9 +106,9 @@ def _first_forward(engine: EmbeddedEngine, recipe: Recipe) -> float:
 
 
 def _requests(recipe: Recipe, prompts: list[str], emb_PTE: torch.Tensor, neg_TE: torch.Tensor,
-              step: int) -> list[Request]:
+              step: int, rank: int = 0) -> list[Request]:
     return [Request(prompt=p, prompt_id=k, prompt_emb=emb_PTE[k], negative_prompt=NEGATIVE, negative_prompt_emb=neg_TE,
-                    seed=step * 100_003 + k * recipe.group + i, img_fhw=recipe.img_fhw, num_steps=recipe.num_steps,
+                    seed=step * 100_003 + k * recipe.group + i + rank * 10_000_019, img_fhw=recipe.img_fhw, num_steps=recipe.num_steps,
                     shift=recipe.shift, sampler="sde", noise_level=recipe.noise_level, window_size=recipe.window,
                     window_range=recipe.window_starts, guidance_scale=recipe.guidance,
                     keep_uncond_velocity=recipe.reuse_uncond)
@@ -116,13 +116,15 @@ def _requests(recipe: Recipe, prompts: list[str], emb_PTE: torch.Tensor, neg_TE:
 
 
 def ours_step(ours: Ours, e2e: EndToEnd, step: int) -> tuple[dict[str, float], dict[str, float]]:
-    """One RL step; (seconds per phase, train metrics)."""
+    """One RL step; (seconds per phase, train metrics).  Under data parallelism (torchrun) every rank runs
+    its own prompts and seeds; the optimizer step averages the gradients over the ranks (megatron DDP)."""
     recipe, timer = ours.recipe, PhaseTimer(ours.recipe.device)
-    prompts = [f'a sign that reads "step {step} prompt {k}"' for k in range(recipe.prompts)]
+    rank = ours.policy.state.dp_rank
+    prompts = [f'a sign that reads "step {step} prompt {k} rank {rank}"' for k in range(recipe.prompts)]
     with timer("text"):
         emb_NTE = e2e.text.encode(prompts + [NEGATIVE])
     with timer("rollout"):
-        trajs = ours.engine.generate(_requests(recipe, prompts, emb_NTE[:-1], emb_NTE[-1], step))
+        trajs = ours.engine.generate(_requests(recipe, prompts, emb_NTE[:-1], emb_NTE[-1], step, rank))
     with timer("decode"):
         images = e2e.decode(torch.stack([t.final_sample for t in trajs]))
     with timer("reward"):

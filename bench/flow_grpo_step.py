@@ -4,6 +4,8 @@
     python bench/flow_grpo_step.py [--steps 5] [--group 16] [--prompts 1] [--compile default]
                                    [--compile-train default] [--micro-batch 4] [--skip-reference] [--no-reuse-uncond]
     python bench/flow_grpo_step.py --smoke      # tiny model on the CPU: checks the script runs; times mean nothing
+    torchrun --nproc-per-node=2 bench/flow_grpo_step.py --compile default --compile-train default
+                                                # data parallel: weak scaling, 16 images per GPU
 
 Recipe: 512x512 (1024 image tokens, 64 packed channels) + 128 text tokens, 10 rollout steps (SDE noise 1.2),
 true CFG 4 (cond + uncond rows in one forward), an SDE window of 2 steps inside steps 0..4, group 16 per
@@ -216,11 +218,20 @@ def main(argv=None) -> None:
                      micro_batch=args.micro_batch)
     if not args.smoke:
         overrides["text_layers"] = args.text_layers
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not args.smoke:  # torchrun: data parallel, one GPU per rank (before the recipe picks one)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     recipe = make_recipe(args.smoke, **overrides)
     results = [run_ours(recipe, steps, args.compile, args.compile_train, args.profile)]
-    if not args.skip_reference:
+    if world > 1:
+        results[0].notes.append(f"data parallel over {world} ranks (torchrun): every rank runs the recipe's "
+                                f"{recipe.samples} images per step with its own prompts and seeds, gradients "
+                                f"averaged by megatron DDP; times and images/s are rank 0's, per GPU (all GPUs: "
+                                f"{world}x); the reference loop is single-GPU and not run")
+    elif not args.skip_reference:
         results.append(run_reference(recipe, steps))
-    print_table(recipe, results, steps)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print_table(recipe, results, steps)
 
 
 if __name__ == "__main__":
