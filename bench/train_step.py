@@ -140,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 print(f"{name}: {r}", flush=True)
                 rows.append((name, r, recipe))
-    print(f"\n{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: FlowGRPO training step, 32 "
-          f"pairs (512x512 + 128 text tokens, cond rows, rollout's uncond reused), bf16")
+    r0 = make_recipe(args.smoke)
+    print(f"\n{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: FlowGRPO training step, "
+          f"{r0.samples * r0.window} pairs ({r0.image_tokens} image + {r0.text_tokens} text tokens, cond rows, the "
+          f"rollout's uncond reused), {str(r0.dtype).removeprefix('torch.')}")
     print(f"{'run':<28} {'blocks':>6} {'trained':>9} {'s/step':>8} {'ready s':>8} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'peak GiB':>9} {'ratio':>7}")
     for name, r, recipe in rows:
