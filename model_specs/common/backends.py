@@ -1,7 +1,7 @@
 """Which implementation of the tensor-parallel linear layers a spec is built from.
 
 "local": megatron-core's own ``ColumnParallelLinear`` / ``RowParallelLinear`` (always available,
-CPU included).  "te": Transformer Engine's wrappers from megatron-core (fused kernels, FP8), only
+CPU included; the row one through ``megatron_omni.parallel.linears``, which stops its per-call warning).  "te": Transformer Engine's wrappers from megatron-core (fused kernels, FP8), only
 when ``transformer_engine`` imports.  "auto" picks "te" when it is installed and a CUDA device is
 present, else "local".  One spec builder per block takes the result; no copied TE variant.
 """
