@@ -23,8 +23,7 @@ from megatron_omni.parallel.state import ParallelState
 from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request
 from megatron_omni.sync import HFExporter, push_weights
 from megatron_omni.trainer.microbatches import grpo_microbatches
-from megatron_omni.trainer.policy import Policy, build_policy, run_microbatches
-from megatron_omni.trainer.policy import compile_blocks as compile_policy_blocks
+from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, base_parameters, target_name
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -85,7 +84,7 @@ def build_ours(recipe: Recipe, state: ParallelState, compile_mode: str | None,
     if compile_mode:
         compile_blocks(engine.model, compile_mode)
     if compile_train:
-        compile_policy_blocks(policy, compile_train)
+        compile_policy(policy, compile_train)
     forward_step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=recipe.clip_range))
     synchronize(recipe.device)
     built = time.perf_counter() - start

@@ -63,7 +63,7 @@ def _with_old_log_probs(policy, mbs: list[FlowGRPOMicroBatch], step) -> None:
 def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, steps: int,
         profile: bool) -> dict:
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
-    from megatron_omni.trainer.policy import build_policy, compile_blocks, run_microbatches
+    from megatron_omni.trainer.policy import build_policy, compile_policy, run_microbatches
     from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
     from checkpoints_convert.qwen_image import qwen_image_rules
 
@@ -77,7 +77,7 @@ def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, s
             policy = build_policy(recipe.arch, state, lr=recipe.lr, clip_grad=1.0, dtype=recipe.dtype,
                                   backend="local", prepare=prepare)
         if compile_mode:
-            compile_blocks(policy, compile_mode)
+            compile_policy(policy, compile_mode)
         step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=recipe.clip_range))
         mbs = _microbatches(recipe, micro_batch)
         start = time.perf_counter()

@@ -43,8 +43,7 @@ from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, SyncError
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches, without_reused_uncond
 from megatron_omni.trainer.mfu import device_peak_flops, step_flops
-from megatron_omni.trainer.policy import Policy, build_policy, run_microbatches
-from megatron_omni.trainer.policy import compile_blocks as compile_policy_blocks
+from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
 from model_specs.qwen_image.flops import forward_flops
 from model_specs.qwen_image.model import QwenImageModel
@@ -197,7 +196,7 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     policy = build_policy(arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad, dtype=dtype,
                           backend=cfg.model.backend, prepare=_initial_weights(cfg, state))
     if cfg.train.compile:
-        compile_policy_blocks(policy, cfg.train.compile)
+        compile_policy(policy, cfg.train.compile)
     loss_config = FlowGRPOLossConfig(clip_range=cfg.algorithm.clip_range, kl_beta=cfg.algorithm.kl_beta,
                                      kl_form=cfg.algorithm.kl_form)
     # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not

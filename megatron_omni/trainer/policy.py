@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from model_specs.qwen_image.config import QwenImageConfig
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
-from megatron_omni.compile import compile_blocks as _compile_model_blocks
+from megatron_omni.compile import compile_blocks
 from megatron_omni.parallel.cpu_compat import cuda_factories_on_cpu
 from megatron_omni.parallel.mcore_fallbacks import use_fast_fallbacks
 from megatron_omni.parallel.pipeline import stage_layers
@@ -91,11 +91,11 @@ def build_policy(arch: QwenImageConfig, state: ParallelState, *, lr: float, weig
     return Policy(module=modules[0], model=ddps[0], optimizer=optimizer, state=state, modules=modules, models=ddps)
 
 
-def compile_blocks(policy: Policy, mode: str) -> None:
+def compile_policy(policy: Policy, mode: str) -> None:
     """Every block of every chunk of this rank under torch.compile (``megatron_omni.compile``); DDP's grad
     hooks sit on the parameters, outside the compiled graphs, so they fire as in eager mode."""
     for module in policy.modules or [policy.module]:
-        _compile_model_blocks(module, mode)
+        compile_blocks(module, mode)
 
 
 def run_microbatches(policy: Policy, forward_step_func, microbatches: list, forward_only: bool = False,
