@@ -3,7 +3,11 @@ diffusers' QwenImageTransformer2DModel, same GPU, same run.  Random init, bf16, 
 tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one table.
 
     python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
-                                    [--no-eager] [--no-reference] [--profile]
+                                    [--no-eager] [--no-reference] [--profile] [--mlp fused unfused] [--lora 64]
+
+``--mlp``: ours with the rollout engine's fused MLP (fc1 bias + GELU-tanh in the GEMM epilogue; the default, as
+EmbeddedEngine runs) and / or megatron-core's MLP.  ``--lora R``: ours with LoRA rank R on the FlowGRPO targets
+(nonzero B), as the rollout of a LoRA run computes; the fused MLP then folds fc1's adapter into its GEMM.
 
 MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, BENCHMARKS.md); FLOPs from
 model_specs/qwen_image/flops.py (16.6 TFLOP per image at 512x512).
@@ -48,7 +52,7 @@ def _inputs(arch: QwenImageConfig, batch: int):
             torch.rand(batch, device="cuda", generator=g))
 
 
-def ours(arch, batches, repeats, compile_mode=None, profile=False):
+def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from model_specs.qwen_image.model import QwenImageModel
     from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -56,6 +60,17 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False):
     state = init_parallel(device="cuda")
     cfg = arch.transformer_config(1, params_dtype=torch.bfloat16, use_cpu_initialization=False)
     model = QwenImageModel(arch, cfg, state.tp_group, qwen_image_block_spec("local")).cuda().eval()
+    if lora_rank:
+        from checkpoints_convert.qwen_image import qwen_image_rules
+        from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, lora_modules
+
+        apply_lora(model, lora_rank, 2.0 * lora_rank, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
+        for m in lora_modules(model).values():
+            torch.nn.init.normal_(m.lora_B, std=1e-3)  # nonzero, as after training
+    if fused:
+        from model_specs.common.gelu_mlp import fuse_inference
+
+        fuse_inference(model, strict=True)
     out = {}
     if compile_mode:
         from megatron_omni.compile import compile_blocks
@@ -114,13 +129,20 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
     p.add_argument("--no-eager", action="store_true", help="time ours only under the --compile modes")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
+    p.add_argument("--mlp", nargs="+", choices=("fused", "unfused"), default=["fused"],
+                   help="ours' MLP: the engine's fused fc1 + GELU epilogue, and / or megatron-core's")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on the FlowGRPO targets (0 = none)")
     args = p.parse_args()
     arch = QwenImageConfig(num_layers=args.layers)
-    results = {} if args.no_eager else {"megatron-omni": ours(arch, args.batches, args.repeats, profile=args.profile)}
-    for mode in args.compile:
-        gc.collect()
-        torch.cuda.empty_cache()
-        results[f"ours+{mode}"] = ours(arch, args.batches, args.repeats, mode, args.profile)
+    results = {}
+    lora = f" lora{args.lora}" if args.lora else ""
+    for mode in ([None] if not args.no_eager else []) + args.compile:
+        for mlp in args.mlp:
+            gc.collect()
+            torch.cuda.empty_cache()
+            name = f"ours {mode or 'eager'}{lora} {mlp}"
+            print(f"--- {name}", flush=True)
+            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile, mlp == "fused", args.lora)
     gc.collect()
     torch.cuda.empty_cache()
     if not args.no_reference:

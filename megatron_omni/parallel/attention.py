@@ -17,6 +17,10 @@ class JointSDPACoreAttention(torch.nn.Module):
     flash kernel; with one it uses cuDNN / memory-efficient attention (flash refuses boolean masks).
     """
 
+    # q, k, v arrive as [S, B, N, D] views of batch-major memory (model_specs.qwen_image.layers): their
+    # [B, N, S, D] permutes are then the strides SDPA's fused kernels take without a copy
+    batch_major = True
+
     def __init__(self, cp_groups=None):
         super().__init__()
         if cp_groups is not None and cp_groups.cp > 1:

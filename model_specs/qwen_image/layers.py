@@ -59,11 +59,22 @@ class JointAttention(MegatronModule):
         qi, ki, vi = self._qkv(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH, cond.img_freqs)
         qt, kt, vt = self._qkv(self.linear_added_qkv, self.added_q_layernorm, self.added_k_layernorm, txt_SBH,
                                cond.txt_freqs)
-        out_SBND = self.core_attention(torch.cat([qt, qi]), torch.cat([kt, ki]), torch.cat([vt, vi]),
-                                       cond.attn_mask_B11S, text_len=cond.text_len)
+        joint = _joint_batch_major if getattr(self.core_attention, "batch_major", False) else _joint_seq_major
+        out_SBND = self.core_attention(joint(qt, qi), joint(kt, ki), joint(vt, vi), cond.attn_mask_B11S,
+                                       text_len=cond.text_len)
         txt_out, _ = self.linear_added_proj(out_SBND[: cond.text_len])
         img_out, _ = self.linear_proj(out_SBND[cond.text_len:])
         return img_out, txt_out
+
+
+def _joint_seq_major(txt_SBND, img_SBND):
+    return torch.cat([txt_SBND, img_SBND])
+
+
+def _joint_batch_major(txt_SBND, img_SBND):
+    """[text; image] as an [S, B, N, D] view of a [B, S, N, D] tensor: the concatenation (a copy either way)
+    writes the layout flash / cuDNN attention read natively, so SDPA does not repack q, k and v."""
+    return torch.cat([txt_SBND.transpose(0, 1), img_SBND.transpose(0, 1)], dim=1).transpose(0, 1)
 
 
 def _modulate(x_SBH, shift_BH, scale_BH):

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_omni.parallel.attention import JointSDPACoreAttention
 from megatron_omni.parallel.usp import USPJointCoreAttention
 from model_specs.common.backends import linear_backend
+from model_specs.common.gelu_mlp import GeluMLP
 
 NORM_EPS = 1e-6
 
@@ -59,7 +60,7 @@ def qwen_image_block_spec(backend: str = "auto", context_parallel: bool = False)
     linears = linear_backend(backend)
     head_norm = ModuleSpec(module=torch.nn.RMSNorm, params={"eps": NORM_EPS})
     stream_norm = ModuleSpec(module=torch.nn.LayerNorm, params={"eps": NORM_EPS, "elementwise_affine": False})
-    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=linears.column, linear_fc2=linears.row))
+    mlp = ModuleSpec(module=GeluMLP, submodules=MLPSubmodules(linear_fc1=linears.column, linear_fc2=linears.row))
     attention = ModuleSpec(
         module=JointAttention,
         submodules=JointAttentionSubmodules(
