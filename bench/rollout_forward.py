@@ -3,10 +3,11 @@ diffusers' QwenImageTransformer2DModel, same GPU, same run.  Random init, bf16, 
 tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one table.
 
     python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
-                                    [--no-eager] [--no-reference] [--profile] [--mlp fused unfused] [--lora 64]
+                                    [--no-eager] [--no-reference] [--profile] [--fusion fused unfused] [--lora 64]
 
-``--mlp``: ours with the rollout engine's fused MLP (fc1 bias + GELU-tanh in the GEMM epilogue; the default, as
-EmbeddedEngine runs) and / or megatron-core's MLP.  ``--lora R``: ours with LoRA rank R on the FlowGRPO targets
+``--fusion``: ours with the rollout engine's inference fusions (model_specs.common.fusion: fc1 bias + GELU-tanh in
+the GEMM epilogue, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)
+and / or without them (megatron-core's MLP, the norms, RoPE and concatenation as torch.compile fuses them).  ``--lora R``: ours with LoRA rank R on the FlowGRPO targets
 (nonzero B), as the rollout of a LoRA run computes; the fused MLP then folds fc1's adapter into its GEMM.
 
 MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, BENCHMARKS.md); FLOPs from
@@ -68,7 +69,7 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
         for m in lora_modules(model).values():
             torch.nn.init.normal_(m.lora_B, std=1e-3)  # nonzero, as after training
     if fused:
-        from model_specs.common.gelu_mlp import fuse_inference
+        from model_specs.common.fusion import fuse_inference
 
         fuse_inference(model, strict=True)
     out = {}
@@ -129,20 +130,20 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
     p.add_argument("--no-eager", action="store_true", help="time ours only under the --compile modes")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
-    p.add_argument("--mlp", nargs="+", choices=("fused", "unfused"), default=["fused"],
-                   help="ours' MLP: the engine's fused fc1 + GELU epilogue, and / or megatron-core's")
+    p.add_argument("--fusion", nargs="+", choices=("fused", "unfused"), default=["fused"],
+                   help="ours with the engine's inference fusions, and / or without")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on the FlowGRPO targets (0 = none)")
     args = p.parse_args()
     arch = QwenImageConfig(num_layers=args.layers)
     results = {}
     lora = f" lora{args.lora}" if args.lora else ""
     for mode in ([None] if not args.no_eager else []) + args.compile:
-        for mlp in args.mlp:
+        for fusion in args.fusion:
             gc.collect()
             torch.cuda.empty_cache()
-            name = f"ours {mode or 'eager'}{lora} {mlp}"
+            name = f"ours {mode or 'eager'}{lora} {fusion}"
             print(f"--- {name}", flush=True)
-            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile, mlp == "fused", args.lora)
+            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile, fusion == "fused", args.lora)
     gc.collect()
     torch.cuda.empty_cache()
     if not args.no_reference:

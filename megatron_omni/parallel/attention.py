@@ -17,8 +17,8 @@ class JointSDPACoreAttention(torch.nn.Module):
     flash kernel; with one it uses cuDNN / memory-efficient attention (flash refuses boolean masks).
     """
 
-    # q, k, v arrive as [S, B, N, D] views of batch-major memory (model_specs.qwen_image.layers): their
-    # [B, N, S, D] permutes are then the strides SDPA's fused kernels take without a copy
+    # takes q, k, v that are [S, B, N, D] views of batch-major memory (the fused inference path of
+    # model_specs.qwen_image.layers writes them so): their [B, N, S, D] permutes are SDPA's native strides
     batch_major = True
 
     def __init__(self, cp_groups=None):

@@ -26,7 +26,7 @@ from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
-from model_specs.common.gelu_mlp import fuse_inference, refresh_fused
+from model_specs.common.fusion import fuse_inference, refresh_fused
 from model_specs.common.lora import base_parameters
 from model_specs.qwen_image.config import QwenImageConfig
 
@@ -100,9 +100,9 @@ class EngineConfig:
     max_num_seqs: int = 16  # requests per forward (CFG doubles the rows)
     wait_ms: float = 5.0  # how long submit() lets a batch fill before running it
     text_pad_multiple: int = 16  # text is padded to a multiple of this, per request, so batching is invariant
-    # fc1's bias + GELU in the GEMM epilogue, a LoRA adapter on fc1 folded into that GEMM
-    # (model_specs.common.gelu_mlp); MLPs that cannot fuse (e.g. Transformer Engine's) keep megatron's path
-    fuse_gelu: bool = True
+    # inference fusions (model_specs.common.fusion): fc1's bias + GELU in the GEMM epilogue (fc1's LoRA folded
+    # into that GEMM), q / k norm + RoPE + joint layout in one kernel; modules that cannot fuse keep their path
+    fuse: bool = True
 
 
 @dataclass
@@ -211,7 +211,7 @@ class EmbeddedEngine:
             raise ValueError(f"the model predicts {arch.out_features} channels per token but takes "
                              f"{arch.in_channels}; a velocity must have the latent's shape")
         self.model, self.arch, self.encode_prompts = model.eval(), arch, encode_prompts
-        self.fused_mlps = fuse_inference(model) if self.config.fuse_gelu else 0
+        self.fused = fuse_inference(model) if self.config.fuse else 0
         self.tp_rank, self.tp_size = tp_rank, tp_size
         first = next(model.parameters())
         self._device, self._dtype = first.device, first.dtype
@@ -341,7 +341,7 @@ class EmbeddedEngine:
             if self._incomplete:
                 raise RuntimeError(f"the engine's weights are incomplete: {self._incomplete}; it generates again "
                                    f"after a weight load of the whole model succeeds")
-            if self.fused_mlps:
+            if self.fused:
                 refresh_fused(self.model)  # the weights may have changed since the last batch (~4 ms full size)
             sigmas_N1 = sigmas(r0.num_steps, r0.shift)
             gens = [torch.Generator().manual_seed(p.request.seed) for p in items]

@@ -4,7 +4,7 @@ Why: in the rollout forward of a DiT, the GELU after fc1 is a separate pass over
 widest activation of the block: [tokens, 4 * hidden]); on an H200 at batch 32 it is ~5 % of the forward.
 cuBLASLt applies bias + GELU-tanh while the GEMM writes its output (``torch._addmm_activation``), so the
 pass disappears.  That kernel has no backward, so the fast path runs only without autograd (the rollout
-engine, ``fuse_inference(model)``); training keeps megatron's own path.
+engine, ``model_specs.common.fusion.fuse_inference``); training keeps megatron's own path.
 
 With a LoRA adapter on fc1 (``model_specs.common.lora.LoRALinear``, one part), the epilogue would need
 the adapter's output added before GELU, which a separate low-rank GEMM cannot do.  The adapter's
@@ -45,7 +45,7 @@ class GeluMLP(MLP):
     """``MLP`` (fc1 -> GELU-tanh -> fc2) whose forward takes the fused path once ``fused`` is set and
     autograd is off; otherwise exactly megatron-core's forward."""
 
-    fused = False
+    fused = False  # set by model_specs.common.fusion.fuse_inference
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -70,7 +70,7 @@ class GeluMLP(MLP):
     def refresh_fused(self) -> None:
         """Rebuild ``[W | B]`` from the current weights (LoRA on fc1 only; nothing to do otherwise)."""
         fc1 = self.linear_fc1
-        if not isinstance(fc1, LoRALinear) or not fc1.enabled:
+        if not self.fused or not isinstance(fc1, LoRALinear) or not fc1.enabled:
             self.fused_weight = None
             return
         w_NK, b_NR = fc1.base.weight, fc1.lora_B[0]
@@ -95,28 +95,3 @@ class GeluMLP(MLP):
             base = fc1.base if isinstance(fc1, LoRALinear) else fc1
             act = linear_gelu_tanh(x_MK, base.weight, base.bias)
         return self.linear_fc2(act.view(*hidden_states.shape[:-1], -1))
-
-
-def fuse_inference(model: torch.nn.Module, enable: bool = True, strict: bool = False) -> int:
-    """Switch every ``GeluMLP`` of ``model`` that can fuse to the fused inference path (``enable=False``: all
-    back to megatron's) and build its fused weights; returns how many are fused.  The others keep megatron's
-    path, or with ``strict`` raise ValueError naming the first and why."""
-    count = 0
-    for name, m in model.named_modules():
-        if not isinstance(m, GeluMLP):
-            continue
-        why = m.fusable() if enable else "disabled"
-        if why and enable and strict:
-            raise ValueError(f"fuse_inference: {name} cannot take the fused GELU path: {why}")
-        m.fused, m.fused_weight = not why, None
-        if m.fused:
-            m.refresh_fused()
-            count += 1
-    return count
-
-
-def refresh_fused(model: torch.nn.Module) -> None:
-    """Refresh the fused weights of every fused ``GeluMLP`` (after the weights changed: a sync, a load)."""
-    for m in model.modules():
-        if isinstance(m, GeluMLP) and m.fused:
-            m.refresh_fused()

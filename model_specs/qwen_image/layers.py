@@ -12,6 +12,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from model_specs.qwen_image.conditioning import QwenImageConditioning, apply_rope
+from model_specs.qwen_image.qk_norm_rope import joint_qk_norm_rope
 from model_specs.qwen_image.spec import JointAttentionSubmodules, QwenImageBlockSubmodules
 
 
@@ -48,6 +49,29 @@ class JointAttention(MegatronModule):
         self.linear_added_proj = build_module(submodules.linear_added_proj, hidden, hidden,
                                               **_linear_kwargs(config, tp_group, "proj", column=False))
 
+    fused = False  # set by model_specs.common.fusion.fuse_inference
+
+    def fusable(self) -> str:
+        """'' when ``joint_qk_norm_rope`` computes what the plain path does here; else why not."""
+        norms = (self.q_layernorm, self.k_layernorm, self.added_q_layernorm, self.added_k_layernorm)
+        if not all(isinstance(n, torch.nn.RMSNorm) and n.weight is not None and n.eps is not None for n in norms):
+            return "the q / k norms are not torch.nn.RMSNorm with a weight and an explicit eps"
+        if len({n.eps for n in norms}) != 1:
+            return f"the q / k norms have different eps {sorted({n.eps for n in norms})}"
+        if not getattr(self.core_attention, "batch_major", False):
+            return f"{type(self.core_attention).__name__} does not take batch-major q, k, v"
+        return ""
+
+    def refresh_fused(self) -> None:
+        """Nothing derived from the weights: the kernel reads the norms' weights as they are."""
+
+    def _fused_qkv(self, img_SBH, txt_SBH, cond: QwenImageConditioning):
+        (qkv_i, _), (qkv_t, _) = self.linear_qkv(img_SBH), self.linear_added_qkv(txt_SBH)
+        streams = ((qkv_t, self.added_q_layernorm.weight, self.added_k_layernorm.weight, cond.txt_freqs),
+                   (qkv_i, self.q_layernorm.weight, self.k_layernorm.weight, cond.img_freqs))
+        q, k, v = joint_qk_norm_rope(*streams, heads=self.local_heads, eps=self.q_layernorm.eps)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
     def _qkv(self, linear, q_layernorm, k_layernorm, x_SBH, freqs):
         qkv_SBN3D, _ = linear(x_SBH)
         s, b = x_SBH.shape[:2]
@@ -56,25 +80,21 @@ class JointAttention(MegatronModule):
         return apply_rope(q_layernorm(q), freqs), apply_rope(k_layernorm(k), freqs), v
 
     def forward(self, img_SBH, txt_SBH, cond: QwenImageConditioning):
+        if self.fused and not torch.is_grad_enabled():
+            out_SBND = self.core_attention(*self._fused_qkv(img_SBH, txt_SBH, cond), cond.attn_mask_B11S,
+                                           text_len=cond.text_len)
+            return self._out(out_SBND, cond)
         qi, ki, vi = self._qkv(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH, cond.img_freqs)
         qt, kt, vt = self._qkv(self.linear_added_qkv, self.added_q_layernorm, self.added_k_layernorm, txt_SBH,
                                cond.txt_freqs)
-        joint = _joint_batch_major if getattr(self.core_attention, "batch_major", False) else _joint_seq_major
-        out_SBND = self.core_attention(joint(qt, qi), joint(kt, ki), joint(vt, vi), cond.attn_mask_B11S,
-                                       text_len=cond.text_len)
+        out_SBND = self.core_attention(torch.cat([qt, qi]), torch.cat([kt, ki]), torch.cat([vt, vi]),
+                                       cond.attn_mask_B11S, text_len=cond.text_len)
+        return self._out(out_SBND, cond)
+
+    def _out(self, out_SBND, cond: QwenImageConditioning):
         txt_out, _ = self.linear_added_proj(out_SBND[: cond.text_len])
         img_out, _ = self.linear_proj(out_SBND[cond.text_len:])
         return img_out, txt_out
-
-
-def _joint_seq_major(txt_SBND, img_SBND):
-    return torch.cat([txt_SBND, img_SBND])
-
-
-def _joint_batch_major(txt_SBND, img_SBND):
-    """[text; image] as an [S, B, N, D] view of a [B, S, N, D] tensor: the concatenation (a copy either way)
-    writes the layout flash / cuDNN attention read natively, so SDPA does not repack q, k and v."""
-    return torch.cat([txt_SBND.transpose(0, 1), img_SBND.transpose(0, 1)], dim=1).transpose(0, 1)
 
 
 def _modulate(x_SBH, shift_BH, scale_BH):

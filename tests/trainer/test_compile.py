@@ -1,7 +1,6 @@
-"""torch.compile of the blocks (rollout no_grad with the engine's fused MLP, and LoRA training forward + backward)
-equals eager, with no
-graph break (a break leaves the element-wise work around it unfused; megatron-core's row-parallel linear
-used to cause one per call)."""
+"""torch.compile of the blocks (rollout no_grad with the engine's inference fusions, and LoRA training forward +
+backward) equals eager, with no graph break (a break leaves the element-wise work around it unfused;
+megatron-core's row-parallel linear used to cause one per call)."""
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -9,7 +8,7 @@ from torch._dynamo.utils import counters
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.compile import compile_blocks
 from megatron_omni.config import ConfigError, load_config
-from model_specs.common.gelu_mlp import fuse_inference
+from model_specs.common.fusion import fuse_inference
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
 from model_specs.qwen_image.config import tiny_config
 from model_specs.qwen_image.model import QwenImageModel
@@ -33,7 +32,7 @@ def test_compiled_blocks_equal_eager_rollout_and_lora_training(single_rank):
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(compiled, "default")
-    assert fuse_inference(compiled) == 2 * arch.num_layers  # the rollout engine's MLP path (GELU epilogue, LoRA on K)
+    assert fuse_inference(compiled) == 3 * arch.num_layers  # the rollout engine's fused MLPs and attentions
     g = torch.Generator().manual_seed(1)
     img, txt = torch.randn(2, 16, arch.in_channels, generator=g), torch.randn(2, 8, arch.joint_attention_dim, generator=g)
     sigma, mask = torch.tensor([0.3, 0.8]), torch.tensor([[True] * 8, [True] * 5 + [False] * 3])

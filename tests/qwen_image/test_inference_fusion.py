@@ -1,12 +1,15 @@
-"""The fused inference MLP (fc1 bias + GELU-tanh in the GEMM epilogue, a LoRA adapter on fc1 folded into
-that GEMM along K) computes what megatron-core's MLP computes; training is untouched."""
+"""The rollout engine's inference fusions compute what the plain model computes; training is untouched.
+The fused MLP (fc1 bias + GELU-tanh in the GEMM epilogue, a LoRA adapter on fc1 folded into that GEMM
+along K) and the joint q / k norm + RoPE + layout op (a Triton kernel on CUDA, torch ops elsewhere: the
+CPU tests check the model's plumbing around it, the ``gpu`` tests the kernel)."""
 import functools
 
 import pytest
 import torch
 
 from checkpoints_convert.qwen_image import qwen_image_rules
-from model_specs.common.gelu_mlp import GeluMLP, fuse_inference, linear_gelu_tanh, refresh_fused
+from model_specs.common.fusion import fuse_inference, refresh_fused
+from model_specs.common.gelu_mlp import GeluMLP, linear_gelu_tanh
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, lora_modules
 from model_specs.qwen_image.config import tiny_config
 from model_specs.qwen_image.model import QwenImageModel
@@ -44,7 +47,7 @@ def test_fused_equals_megatron_mlp(single_rank, lora):
     model = _model(single_rank, lora)
     img, txt, sigma = _inputs()
     expected = _forward(model, img, txt, sigma)
-    assert fuse_inference(model) == 2 * ARCH.num_layers  # img_mlp and txt_mlp of every block
+    assert fuse_inference(model) == 3 * ARCH.num_layers  # img_mlp, txt_mlp and the attention of every block
     assert all(m.fused and (m.fused_weight is not None) == lora for m in model.modules() if isinstance(m, GeluMLP))
     torch.testing.assert_close(_forward(model, img, txt, sigma), expected, rtol=1e-5, atol=1e-6)
     if lora:  # new adapter weights (a sync): stale until refreshed, then equal to megatron's path again
@@ -83,9 +86,10 @@ def test_unfusable_mlp_keeps_megatrons_path_or_raises(single_rank):
     model = _model(single_rank, False, activation_func=torch.nn.functional.silu)
     img, txt, sigma = _inputs()
     expected = _forward(model, img, txt, sigma)
-    assert fuse_inference(model) == 0
-    assert torch.equal(_forward(model, img, txt, sigma), expected)
-    with pytest.raises(ValueError, match=r"blocks\.0\.img_mlp cannot take the fused GELU path: activation .*silu"):
+    assert fuse_inference(model) == ARCH.num_layers  # the attentions only
+    assert not any(m.fused for m in model.modules() if isinstance(m, GeluMLP))
+    torch.testing.assert_close(_forward(model, img, txt, sigma), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"blocks\.0\.img_mlp \(GeluMLP\) cannot take its fused path: activation .*silu"):
         fuse_inference(model, strict=True)
 
 
@@ -93,8 +97,8 @@ def test_engine_fuses_by_default(single_rank):
     from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig
 
     model = _model(single_rank, True)
-    assert EmbeddedEngine(model, ARCH).fused_mlps == 2 * ARCH.num_layers
-    assert EmbeddedEngine(_model(single_rank, True), ARCH, config=EngineConfig(fuse_gelu=False)).fused_mlps == 0
+    assert EmbeddedEngine(model, ARCH).fused == 3 * ARCH.num_layers
+    assert EmbeddedEngine(_model(single_rank, True), ARCH, config=EngineConfig(fuse=False)).fused == 0
 
 
 @pytest.mark.gpu
@@ -109,3 +113,29 @@ def test_cublaslt_epilogue_is_gelu_tanh():
     fused = linear_gelu_tanh(xb, wb, bb).float()
     exact = gelu(torch.addmm(bb.float(), xb.float(), wb.float().t()))
     assert (fused - exact).norm() / exact.norm() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("heads,head_dim", [(12, 64), (24, 128)])
+def test_joint_qk_norm_rope_kernel_equals_torch_ops(heads, head_dim):
+    """The Triton kernel against the torch ops (the unfused model's math): float32 within 1e-5, bf16 within
+    one rounding; odd lengths, heads not a multiple of the kernel's head block, a strided (sliced) input."""
+    from model_specs.qwen_image.conditioning import rope_freqs
+    from model_specs.qwen_image.qk_norm_rope import _reference, joint_qk_norm_rope
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    width, b = 3 * heads * head_dim, 3
+    img_freqs, txt_freqs = rope_freqs((1, 6, 5), 7, (head_dim // 8, 7 * head_dim // 16, 7 * head_dim // 16), 10000,
+                                      "cuda")
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        qkv_t = torch.randn(7, b, width, device="cuda", generator=g).to(dtype)
+        qkv_i = torch.randn(30, b, width + 16, device="cuda", generator=g).to(dtype)[..., :width]  # strided rows
+        w = [(1 + 0.1 * torch.randn(head_dim, device="cuda", generator=g)).to(dtype) for _ in range(4)]
+        txt, img = (qkv_t, w[0], w[1], txt_freqs), (qkv_i, w[2], w[3], img_freqs)
+        got = joint_qk_norm_rope(txt, img, heads=heads, eps=1e-6)
+        want = _reference((txt, img), heads, 1e-6)
+        for name, a, e in zip("qkv", got, want):
+            assert a.shape == (b, 37, heads, head_dim) and a.is_contiguous(), name
+            err = ((a.float() - e.float()).norm() / e.float().norm()).item()
+            assert err < (tol if dtype == torch.float32 else 4e-3), (name, dtype, err)

@@ -1,0 +1,37 @@
+"""Inference-only fused paths of a model's modules, switched on together (the rollout engine does it).
+
+A module takes part by having ``fusable() -> str`` ('' when its fused path computes what its plain forward
+does for this configuration, else why not), a ``fused`` flag its forward reads (the fused path runs only
+with autograd off: its kernels have no backward) and ``refresh_fused()`` (rebuild whatever it derives
+from the weights; called again after every weight change).  Members: ``gelu_mlp.GeluMLP`` (fc1 + GELU
+epilogue) and the Qwen-Image ``JointAttention`` (q / k norm + RoPE + joint layout in one kernel).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _members(model: torch.nn.Module):
+    return ((name, m) for name, m in model.named_modules() if callable(getattr(m, "fusable", None)))
+
+
+def fuse_inference(model: torch.nn.Module, enable: bool = True, strict: bool = False) -> int:
+    """Switch every member of ``model`` that can fuse to its fused path (``enable=False``: all back to the
+    plain one) and build what it derives from the weights; returns how many are fused.  The others keep
+    their plain path, or with ``strict`` raise ValueError naming the first and why."""
+    count = 0
+    for name, m in _members(model):
+        why = m.fusable() if enable else "disabled"
+        if why and enable and strict:
+            raise ValueError(f"fuse_inference: {name} ({type(m).__name__}) cannot take its fused path: {why}")
+        m.fused = not why
+        m.refresh_fused()
+        count += m.fused
+    return count
+
+
+def refresh_fused(model: torch.nn.Module) -> None:
+    """Refresh what the fused members derive from the weights (after a sync or a load)."""
+    for _, m in _members(model):
+        if m.fused:
+            m.refresh_fused()

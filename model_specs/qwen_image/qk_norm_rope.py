@@ -1,0 +1,116 @@
+"""Joint attention's q / k / v preparation in one pass: per-head RMSNorm of q and k, RoPE on both, and every
+stream's rows written into the joint [text; image] sequence in the batch-major layout SDPA reads.
+
+Why: unfused (or as torch.compile fuses it) this is a reduction kernel per norm, a pointwise norm + RoPE
+kernel and a concatenation copy per tensor: q and k are read and written about three times.  On the
+full-size Qwen-Image at batch 32 that was ~90 ms of a ~950 ms rollout forward for ~0.7 GB of real traffic
+per block.  ``joint_qk_norm_rope`` reads each stream's fused QKV output once and writes q, k and v once.
+
+The Triton kernel has no backward: it runs under no_grad on CUDA (the rollout engine, ``fuse_inference``).
+Everywhere else the same function runs as torch ops (``_reference``), the math of the unfused model:
+RMSNorm in float32 rounded to the input dtype, then the float32 rotation of ``conditioning.apply_rope``.
+
+Layout: a stream's QKV is [S, B, N * 3D] with rows interleaved per head ([q_h, k_h, v_h]), as
+``checkpoints_convert.mapping.fuse_qkv`` lays out the weight.  RoPE tables are float32 [S, D/2, 2]
+(cos, sin).  Outputs are [B, S_T + S_I, N, D] contiguous (batch-major); callers take ``transpose(0, 1)``
+for Megatron's [S, B, N, D].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model_specs.qwen_image.conditioning import apply_rope
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path below
+    triton = None
+
+
+def _reference(streams, heads: int, eps: float):
+    """Torch ops: the unfused model's math.  ``streams``: (qkv [S, B, N*3D], q_weight, k_weight, freqs)."""
+    qs, ks, vs = [], [], []
+    for qkv, wq, wk, freqs in streams:
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, heads, -1).split(qkv.shape[-1] // (3 * heads), dim=-1)
+        d = q.shape[-1]
+        qs.append(apply_rope(F.rms_norm(q, (d,), wq, eps), freqs).transpose(0, 1))
+        ks.append(apply_rope(F.rms_norm(k, (d,), wk, eps), freqs).transpose(0, 1))
+        vs.append(v.transpose(0, 1))
+    return tuple(torch.cat(parts, dim=1) for parts in (qs, ks, vs))
+
+
+if triton is not None:
+    @triton.jit
+    def _norm_rope(x, w_e, w_o, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr):
+        """[HB, D] head rows -> RMSNorm (float32, rounded to the input dtype, as the unfused path) -> RoPE."""
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+        a, b = tl.split(tl.reshape(xf, (x.shape[0], HALF, 2)))
+        a = (a * rstd[:, None] * w_e[None, :]).to(x.dtype).to(tl.float32)
+        b = (b * rstd[:, None] * w_o[None, :]).to(x.dtype).to(tl.float32)
+        out = tl.join(a * cos[None, :] - b * sin[None, :], a * sin[None, :] + b * cos[None, :])
+        return tl.reshape(out, (x.shape[0], D)).to(x.dtype)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(qkv, stride_s, stride_b, wq, wk, freqs, q_out, k_out, v_out, s_offset, s_total,
+                             B, N, eps, D: tl.constexpr, HB: tl.constexpr):
+        row = tl.program_id(0)  # one (token, sample) row of the stream: all its heads
+        s, b = row // B, row % B
+        HALF: tl.constexpr = D // 2
+        pair, col, hs = tl.arange(0, HALF), tl.arange(0, D), tl.arange(0, HB)
+        cos = tl.load(freqs + s * D + 2 * pair)
+        sin = tl.load(freqs + s * D + 2 * pair + 1)
+        wq_e, wq_o = tl.load(wq + 2 * pair).to(tl.float32), tl.load(wq + 2 * pair + 1).to(tl.float32)
+        wk_e, wk_o = tl.load(wk + 2 * pair).to(tl.float32), tl.load(wk + 2 * pair + 1).to(tl.float32)
+        src = qkv + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b
+        dst = (b.to(tl.int64) * s_total + s_offset + s) * N * D
+        for h0 in range(0, N, HB):
+            h = h0 + hs
+            m = (h < N)[:, None]
+            at = src + h[:, None] * (3 * D) + col[None, :]
+            out = dst + h[:, None] * D + col[None, :]
+            tl.store(q_out + out, _norm_rope(tl.load(at, mask=m), wq_e, wq_o, cos, sin, eps, D, HALF), mask=m)
+            tl.store(k_out + out, _norm_rope(tl.load(at + D, mask=m), wk_e, wk_o, cos, sin, eps, D, HALF), mask=m)
+            tl.store(v_out + out, tl.load(at + 2 * D, mask=m), mask=m)
+
+
+@torch.library.custom_op("megatron_omni::joint_qk_norm_rope", mutates_args=())
+def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor, wk_txt: torch.Tensor,
+              wq_img: torch.Tensor, wk_img: torch.Tensor, freqs_txt: torch.Tensor, freqs_img: torch.Tensor,
+              heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    streams = ((qkv_txt, wq_txt, wk_txt, freqs_txt), (qkv_img, wq_img, wk_img, freqs_img))
+    if triton is None or not qkv_img.is_cuda:
+        return _reference(streams, heads, eps)
+    q, k, v = _empty_outputs(qkv_txt, qkv_img, heads)
+    s_total, d = q.shape[1], q.shape[-1]
+    offset = 0
+    for qkv, wq, wk, freqs in streams:
+        s, b = qkv.shape[:2]
+        if qkv.stride(2) != 1:
+            raise ValueError(f"joint_qk_norm_rope: QKV of shape {tuple(qkv.shape)} must be contiguous in its last dim")
+        _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), wq, wk, freqs.contiguous(), q, k, v,
+                                       offset, s_total, b, heads, eps, D=d, HB=8)
+        offset += s
+    return q, k, v
+
+
+def _empty_outputs(qkv_txt, qkv_img, heads):
+    s, b, width = qkv_txt.shape[0] + qkv_img.shape[0], qkv_img.shape[1], qkv_img.shape[2]
+    shape = (b, s, heads, width // (3 * heads))
+    return tuple(qkv_img.new_empty(shape) for _ in range(3))
+
+
+@_joint_op.register_fake
+def _(qkv_txt, qkv_img, wq_txt, wk_txt, wq_img, wk_img, freqs_txt, freqs_img, heads, eps):
+    return _empty_outputs(qkv_txt, qkv_img, heads)
+
+
+def joint_qk_norm_rope(txt, img, heads: int, eps: float):
+    """q, k, v [B, S_T + S_I, N, D] from two streams, each (qkv [S, B, N*3D], q_norm weight [D],
+    k_norm weight [D], RoPE freqs [S, D/2, 2])."""
+    if txt[0].shape[2] % (3 * heads) or (txt[0].shape[2] // (3 * heads)) % 2:
+        raise ValueError(f"joint_qk_norm_rope: QKV width {txt[0].shape[2]} is not {heads} heads x 3 x an even head dim")
+    return _joint_op(txt[0], img[0], txt[1], txt[2], img[1], img[2], txt[3], img[3], heads, eps)
