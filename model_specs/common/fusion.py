@@ -9,6 +9,22 @@ epilogue) and the Qwen-Image ``JointAttention`` (q / k norm + RoPE + joint layou
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear
+
+
+def plain_column(linear: torch.nn.Module) -> bool:
+    """A local column-parallel linear whose forward is x W^T + b (no LoRA wrapper, no sequence parallelism,
+    no output gather): its inference forward can be one addmm with the bias in cuBLAS's epilogue."""
+    return (isinstance(linear, ColumnParallelLinear) and linear.bias is not None and not linear.skip_bias_add
+            and not linear.sequence_parallel and not linear.gather_output)
+
+
+def column_forward(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``'s output; for a ``plain_column`` one addmm (megatron's local linear adds its bias in a
+    separate pass over the output, which torch.compile fuses only into a pointwise consumer)."""
+    if plain_column(linear):
+        return torch.addmm(linear.bias, x.reshape(-1, x.shape[-1]), linear.weight.t()).view(*x.shape[:-1], -1)
+    return linear(x)[0]
 
 
 def _members(model: torch.nn.Module):
