@@ -29,15 +29,16 @@ def kind(name: str) -> str:
     return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")
 
 
-def profile_kernels(fn, title: str, top: int = 12, host: bool = False) -> dict[str, float]:
+def profile_kernels(fn, title: str, top: int = 12, host: bool = False, shapes: bool = False) -> dict[str, float]:
     """Run ``fn`` once under torch.profiler (CUDA synchronised around it); print milliseconds per kernel
     kind and the ``top`` heaviest kernels (with ``host``, also the host-side ops that took the most CPU
-    time: where a step that leaves the GPU idle spends it); return {kind: ms} plus 'wall' and 'kernels'."""
+    time: where a step that leaves the GPU idle spends it; with ``shapes``, the matmul ops by device time with
+    their input shapes: which product a slow GEMM kernel is); return {kind: ms} plus 'wall' and 'kernels'."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])
-    with profile(activities=activities) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host or shapes else [])
+    with profile(activities=activities, record_shapes=shapes) as prof:
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -64,6 +65,11 @@ def profile_kernels(fn, title: str, top: int = 12, host: bool = False) -> dict[s
         rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
         for e in rows:
             print(f"  {e.self_cpu_time_total / 1e3:>9.1f} ms {e.count:>6}x  {e.key[:110]}")
+    if shapes:
+        print("  matmul ops by device time, with input shapes:")
+        ops = [e for e in prof.key_averages(group_by_input_shape=True) if re.search(r"mm|linear|matmul|addmm", e.key)]
+        for e in sorted(ops, key=lambda e: -e.device_time_total)[:top]:
+            print(f"  {e.device_time_total / 1e3:>9.1f} ms {e.count:>6}x  {e.key} {e.input_shapes}")
     return {**by_kind, "wall": wall_ms, "kernels": total}
 
 

@@ -91,7 +91,7 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
                 from _profile import graph_breaks, profile_kernels
 
                 profile_kernels(lambda: model(img, txt, sigma, FHW, None),
-                                f"forward batch {b} {compile_mode or 'eager'}")
+                                f"forward batch {b} {compile_mode or 'eager'}", shapes=True)
                 print(graph_breaks(), flush=True)
     del model
     destroy_parallel()
