@@ -43,7 +43,8 @@ def evaluate(policy, task: Task, cfg, judges: dict) -> dict[str, float]:
     arch = cfg.model.arch
     model = QwenImageModel(arch, arch.transformer_config(1, perform_initialization=False), policy.state.tp_group,
                            qwen_image_block_spec("local"))
-    engine = EmbeddedEngine(model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs))
+    engine = EmbeddedEngine(model, arch, task.encode,
+                            EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs, fuse=cfg.rollout.fuse))
     engine.load_weights(export_hf(policy))
     r = cfg.rollout
     requests = [Request(prompt=p, seed=10_000 + 97 * d + i, img_fhw=task.img_fhw, num_steps=r.num_steps,

@@ -154,6 +154,9 @@ class RolloutConfig:
     max_num_seqs: int = 64  # requests per engine forward
     # torch.compile mode for the rollout model's blocks, e.g. "default"; None = eager
     compile: Optional[str] = None
+    # the engine's inference fusions (model_specs.common.fusion): GELU in fc1's GEMM epilogue, q/k norm + RoPE in
+    # one kernel; false = the model's plain forward (the trainer's math, op for op)
+    fuse: bool = True
 
     def validate(self) -> None:
         _require_positive("rollout", prompts_per_step=self.prompts_per_step, group_size=self.group_size,

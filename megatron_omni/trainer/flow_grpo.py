@@ -150,7 +150,8 @@ def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
             _apply_lora(model, cfg)
         if cfg.rollout.compile:
             compile_blocks(model, cfg.rollout.compile)
-        return EmbeddedEngine(model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs))
+        return EmbeddedEngine(model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs,
+                                                                  fuse=cfg.rollout.fuse))
     engines = None
     if state.rank == 0:
         s = cfg.sync

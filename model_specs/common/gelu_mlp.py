@@ -44,10 +44,9 @@ def linear_gelu_tanh(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.
 @torch.library.custom_op("megatron_omni::lora_linear_gelu_tanh", mutates_args=())
 def lora_linear_gelu_tanh(x_MK: torch.Tensor, a_RK: torch.Tensor, scaling: float, w_cat_NK: torch.Tensor,
                           bias_N: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh([x | s x A^T] [W | B]^T + b).  An opaque op so torch.compile keeps x and the skinny
-    x A^T product in buffers of their own: left to itself inductor wrote both into the concatenation's
-    buffer, and cuBLAS ran the strided [32 k, 3072] x [3072, 64] product at 2.1 ms instead of 0.07 ms
-    (H200, rollout batch 32; bench/lora_projection.py times the contiguous one)."""
+    """gelu_tanh([x | s x A^T] [W | B]^T + b), forward only.  One opaque op: torch.compile keeps the skinny
+    x A^T product on x's own contiguous buffer (0.07 ms at the rollout's [32 k, 3072] x [3072, 64] on an H200,
+    bench/lora_projection.py) and the concatenation a plain copy feeding the epilogue GEMM."""
     h_MR = F.linear(x_MK, a_RK) * scaling
     return linear_gelu_tanh(torch.cat([x_MK, h_MR], dim=-1), w_cat_NK, bias_N)
 

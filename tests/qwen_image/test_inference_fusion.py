@@ -94,7 +94,10 @@ def test_unfusable_mlp_keeps_megatrons_path_or_raises(single_rank):
 
 
 def test_engine_fuses_by_default(single_rank):
+    from megatron_omni.config import load_config
     from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig
+
+    assert load_config().rollout.fuse and not load_config(overrides=["rollout.fuse=false"]).rollout.fuse
 
     model = _model(single_rank, True)
     assert EmbeddedEngine(model, ARCH).fused == 3 * ARCH.num_layers
