@@ -82,17 +82,19 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
               wq_img: torch.Tensor, wk_img: torch.Tensor, freqs_txt: torch.Tensor, freqs_img: torch.Tensor,
               heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     streams = ((qkv_txt, wq_txt, wk_txt, freqs_txt), (qkv_img, wq_img, wk_img, freqs_img))
-    if triton is None or not qkv_img.is_cuda:
+    d = qkv_img.shape[-1] // (3 * heads)
+    if triton is None or not qkv_img.is_cuda or d & (d - 1):  # (the kernel tiles a head: a power-of-2 dim)
         return _reference(streams, heads, eps)
     q, k, v = _empty_outputs(qkv_txt, qkv_img, heads)
-    s_total, d = q.shape[1], q.shape[-1]
+    s_total = q.shape[1]
     offset = 0
     for qkv, wq, wk, freqs in streams:
         s, b = qkv.shape[:2]
         if qkv.stride(2) != 1:
             raise ValueError(f"joint_qk_norm_rope: QKV of shape {tuple(qkv.shape)} must be contiguous in its last dim")
-        _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), wq, wk, freqs.contiguous(), q, k, v,
-                                       offset, s_total, b, heads, eps, D=d, HB=8)
+        if s * b:  # (a launch over an empty grid is an error)
+            _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), wq, wk, freqs.contiguous(), q, k, v,
+                                           offset, s_total, b, heads, eps, D=d, HB=8)
         offset += s
     return q, k, v
 
