@@ -1,10 +1,11 @@
 """Where the GPU time of one call goes: kernels grouped by kind (matmul, attention, fused Triton, element-wise,
 communication, ...), the GPU's busy fraction of the wall time, and the heaviest kernels.  Shared by the
-benchmarks' ``--profile`` flags; prints a short table.
+benchmarks' ``--profile`` flags; prints a short table.  Also the benches' CUDA-event timer (``median_ms``).
 """
 from __future__ import annotations
 
 import re
+import statistics
 import time
 import warnings
 from collections import Counter
@@ -22,6 +23,21 @@ KINDS = (
     ("copy / cat", r"copy|cat|memcpy|memset|fill|index"),
     ("element-wise", r"elementwise|vectorized|unrolled"),
 )
+
+
+def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup`` calls (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def kind(name: str) -> str:

@@ -12,10 +12,10 @@ batched GEMM summed in float32.
 from __future__ import annotations
 
 import argparse
-import statistics
-
 import torch
 import torch.nn.functional as F
+
+from _profile import median_ms
 
 SHAPES = [  # (what, M, K, r): rollout batch 32 x 1024 image tokens; training 4 pairs x 1024
     ("rollout qkv (3 parts)", 32768, 3072, 192), ("rollout proj / fc1", 32768, 3072, 64),
@@ -41,20 +41,6 @@ def splitk(s):
     return fn
 
 
-def _ms(fn, repeats):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=20)
@@ -69,12 +55,12 @@ def main() -> None:
         for fn in fns:
             with torch.no_grad():
                 err = ((fn(x, a).float() - ref).norm() / ref.norm()).item()
-                fwd = _ms(lambda: fn(x, a), args.repeats)
+                fwd = median_ms(lambda: fn(x, a), args.repeats, warmup=3)
             bwd = ""
             if "train" in what:
                 xg = x.detach().requires_grad_(True)
                 g = torch.randn(m, r, device="cuda", dtype=torch.bfloat16)
-                bwd = f"{_ms(lambda: torch.autograd.backward(fn(xg, a), g), args.repeats):.3f}"
+                bwd = f"{median_ms(lambda: torch.autograd.backward(fn(xg, a), g), args.repeats, warmup=3):.3f}"
             rows.append((what, fn.__name__, f"{fwd:.3f}", bwd, f"{floor_ms:.3f}", f"{err:.1e}"))
     print(f"\n{torch.cuda.get_device_name()}, bf16, LoRA down-projection x [M, K] -> [M, r]")
     print(f"{'shape':<24}{'formulation':<12}{'fwd ms':>9}{'fwd+bwd ms':>12}{'read-x ms':>11}{'rel err':>9}")

@@ -17,32 +17,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 
 import torch
 
 import megatron_omni  # noqa: F401  (quiet upstream notices)
+from _profile import median_ms
 from model_specs.qwen_image.config import QwenImageConfig
 from model_specs.qwen_image.flops import forward_flops
 
 PEAK = 792e12
 FHW, TEXT = (1, 32, 32), 128
-
-
-def _time(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after two warm-ups (CUDA events)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _inputs(arch: QwenImageConfig, batch: int):
@@ -84,7 +69,7 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
             model(img, txt, sigma, FHW, None)
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
-            out[b] = _time(lambda: model(img, txt, sigma, FHW, None), repeats)
+            out[b] = median_ms(lambda: model(img, txt, sigma, FHW, None), repeats)
             print(f"ours{' compiled ' + compile_mode if compile_mode else ''} batch {b}: first call {first:.1f} s, "
                   f"{out[b]:.1f} ms", flush=True)
             if profile and b == max(batches):
@@ -114,7 +99,7 @@ def reference(arch, batches, repeats):
     with torch.no_grad():
         for b in batches:
             img, txt, sigma = _inputs(arch, b)
-            out[b] = _time(lambda: model(hidden_states=img, encoder_hidden_states=txt, timestep=sigma,
+            out[b] = median_ms(lambda: model(hidden_states=img, encoder_hidden_states=txt, timestep=sigma,
                                          img_shapes=[[FHW]] * b, return_dict=False), repeats)
     del model
     return out

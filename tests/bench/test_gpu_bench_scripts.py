@@ -1,0 +1,17 @@
+"""The GPU-only benches (no CPU mode) still import and parse their options: ``--help`` runs each script's imports
+and argument parser without a GPU."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("script,option", [("rollout_forward.py", "--fusion"), ("lora_projection.py", "--repeats")])
+def test_help(script, option):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert option in out.stdout
