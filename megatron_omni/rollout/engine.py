@@ -342,7 +342,7 @@ class EmbeddedEngine:
                 raise RuntimeError(f"the engine's weights are incomplete: {self._incomplete}; it generates again "
                                    f"after a weight load of the whole model succeeds")
             if self.fused:
-                refresh_fused(self.model)  # the weights may have changed since the last batch (~4 ms full size)
+                refresh_fused(self.model)  # the weights may have changed since the last batch
             sigmas_N1 = sigmas(r0.num_steps, r0.shift)
             gens = [torch.Generator().manual_seed(p.request.seed) for p in items]
             windows = [_trained_steps(p.request, g) for p, g in zip(items, gens)]

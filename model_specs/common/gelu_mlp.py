@@ -1,7 +1,8 @@
 """megatron-core's MLP with an inference fast path: fc1's bias and GELU-tanh in the GEMM's epilogue.
 
 Why: in the rollout forward of a DiT, the GELU after fc1 is a separate pass over fc1's output (the
-widest activation of the block: [tokens, 4 * hidden]); on an H200 at batch 32 it is ~5 % of the forward.
+widest activation of the block: [tokens, 4 * hidden]); on an H200 at batch 32 it was 40 ms of a
+981 ms compiled forward (bench/RESULTS.md).
 cuBLASLt applies bias + GELU-tanh while the GEMM writes its output (``torch._addmm_activation``), so the
 pass disappears.  That kernel has no backward, so the fast path runs only without autograd (the rollout
 engine, ``model_specs.common.fusion.fuse_inference``); training keeps megatron's own path.
@@ -13,7 +14,8 @@ up-projection is folded into the base GEMM along K instead:
 one GEMM over K + r columns whose fp32 accumulator holds base and adapter together (the unfused path
 rounds each to bf16 before adding them).  ``[W | B]`` is a copy of fc1's weight with the adapter's B
 beside it, refreshed by ``refresh_fused`` (the engine calls it before each batch: B changes with every
-weight sync; ~9 GB for the full-size Qwen-Image's 120 fc1s, about 4 ms to refresh on an H200).
+weight sync; ~9 GB for the full-size Qwen-Image's 120 fc1s: a few ms of copying at HBM bandwidth, not timed
+on its own — it is inside the measured rollout).
 
 Only the CUDA kernel fuses; elsewhere the same math runs as addmm then GELU-tanh (the CPU's
 ``_addmm_activation`` computes the exact-erf GELU, not the tanh form this model uses).
