@@ -3,8 +3,9 @@ stream's rows written into the joint [text; image] sequence in the batch-major l
 
 Why: unfused (or as torch.compile fuses it) this is a reduction kernel per norm, a pointwise norm + RoPE
 kernel and a concatenation copy per tensor: q and k are read and written about three times.  On the
-full-size Qwen-Image at batch 32 that was ~90 ms of a ~950 ms rollout forward for ~0.7 GB of real traffic
-per block.  ``joint_qk_norm_rope`` reads each stream's fused QKV output once and writes q, k and v once.
+full-size Qwen-Image at batch 32 that was 92 ms of a 975 ms compiled rollout forward on an H200; this kernel,
+which reads each stream's fused QKV output once and writes q, k and v once (~1.4 GB per block), took 36 ms
+(bench/RESULTS.md).
 
 The Triton kernel has no backward: it runs under no_grad on CUDA (the rollout engine, ``fuse_inference``).
 Everywhere else the same function runs as torch ops (``_reference``), the math of the unfused model:
