@@ -21,7 +21,8 @@ FHW = (1, 4, 4)
 
 def _model(state, lora: bool, dtype=torch.float32, device="cpu", **config):
     torch.manual_seed(0)
-    model = QwenImageModel(ARCH, ARCH.transformer_config(1, params_dtype=dtype, **config), state.tp_group,
+    tp = state.tp_group.size()
+    model = QwenImageModel(ARCH, ARCH.transformer_config(tp, params_dtype=dtype, **config), state.tp_group,
                            qwen_image_block_spec("local")).to(device)
     if lora:
         apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(ARCH), seed=0)
@@ -91,6 +92,26 @@ def test_unfusable_mlp_keeps_megatrons_path_or_raises(single_rank):
     torch.testing.assert_close(_forward(model, img, txt, sigma), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"blocks\.0\.img_mlp \(GeluMLP\) cannot take its fused path: activation .*silu"):
         fuse_inference(model, strict=True)
+
+
+def _tp2_fused_vs_plain(state):
+    """On each TP rank: the plain and the fused forward of the same TP=2 shards (LoRA on), with a padded text mask."""
+    model = _model(state, True)
+    img, txt, sigma = _inputs()
+    mask = torch.tensor([[True] * 8, [True] * 5 + [False] * 3, [True] * 8])
+    with torch.no_grad():
+        plain = model(img, txt, sigma, FHW, mask)
+        fused_count = fuse_inference(model)
+        fused = model(img, txt, sigma, FHW, mask)
+    return fused_count, ((fused - plain).norm() / plain.norm()).item()
+
+
+def test_fused_equals_plain_at_tp2():
+    """Column-parallel fc1 / QKV shards (heads split over TP) and the row-parallel all-reduce after them."""
+    from megatron_omni.parallel.testing import run_distributed
+
+    for count, err in run_distributed(_tp2_fused_vs_plain, 2, parallel={"tp": 2}):
+        assert count == 3 * ARCH.num_layers and err < 1e-6, (count, err)
 
 
 def test_engine_fuses_by_default(single_rank):
