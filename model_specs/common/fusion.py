@@ -12,11 +12,17 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
 
+def local_column(linear: torch.nn.Module) -> bool:
+    """A local (megatron-core) column-parallel linear whose product is this rank's x W^T + b: it has a bias,
+    no sequence parallelism, no output gather; (no LoRA wrapper: a ``LoRALinear`` is not one)."""
+    return (isinstance(linear, ColumnParallelLinear) and linear.bias is not None and not linear.sequence_parallel
+            and not linear.gather_output)
+
+
 def plain_column(linear: torch.nn.Module) -> bool:
-    """A local column-parallel linear whose forward is x W^T + b (no LoRA wrapper, no sequence parallelism,
-    no output gather): its inference forward can be one addmm with the bias in cuBLAS's epilogue."""
-    return (isinstance(linear, ColumnParallelLinear) and linear.bias is not None and not linear.skip_bias_add
-            and not linear.sequence_parallel and not linear.gather_output)
+    """A ``local_column`` that also adds its bias itself: its inference forward can be one addmm with the bias
+    in cuBLAS's epilogue."""
+    return local_column(linear) and not linear.skip_bias_add
 
 
 def column_forward(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

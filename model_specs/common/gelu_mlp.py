@@ -26,9 +26,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.mlp import MLP
 
+from model_specs.common.fusion import local_column
 from model_specs.common.lora import COLUMN, LoRALinear
 
 
@@ -75,10 +75,9 @@ class GeluMLP(MLP):
         base = fc1.base if isinstance(fc1, LoRALinear) else fc1
         if cfg.gated_linear_unit or not _is_gelu_tanh(self.activation_func):
             return f"activation {self.activation_func!r} is not GELU-tanh without gating"
-        if not isinstance(base, ColumnParallelLinear) or base.bias is None:
-            return f"fc1 is {type(base).__name__} (bias {base.bias is not None}); expected the local column-parallel linear with a bias"
-        if base.sequence_parallel or base.gather_output:
-            return "fc1 uses sequence parallelism or gathers its output"
+        if not local_column(base):
+            return (f"fc1 is a {type(base).__name__}; expected megatron-core's local column-parallel linear with a "
+                    f"bias, without sequence parallelism or output gather")
         if isinstance(fc1, LoRALinear) and (fc1.kind != COLUMN or fc1.lora_A.shape[0] != 1):
             return f"fc1's LoRA adapter has {fc1.lora_A.shape[0]} parts ({fc1.kind}); expected one, column-parallel"
         return ""
