@@ -96,7 +96,8 @@ def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, s
             from _profile import graph_breaks, profile_kernels, sync_points
 
             profile_kernels(lambda: run_microbatches(policy, step, mbs),
-                            f"train {mode} micro-batch {micro_batch} {compile_mode or 'eager'}", host=True)
+                            f"train {mode} micro-batch {micro_batch} {compile_mode or 'eager'}", top=20, host=True,
+                            shapes=True)
             sync_points(lambda: run_microbatches(policy, step, mbs))
             print(graph_breaks())
         ratio = torch.stack([torch.as_tensor(m["ratio_mean"]).float() for m in out]).mean().item()
