@@ -8,8 +8,8 @@ from checkpoints_convert.mapping import to_hf
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.parallel.testing import run_distributed
 from model_specs.common.lora import (
-    FLOW_GRPO_TARGETS, apply_lora, disable_adapters, load_peft_state_dict, lora_modules, merge_lora, merged_state,
-    peft_state_dict, resolve_targets,
+    FLOW_GRPO_TARGETS, LoRALinear, LoRATarget, apply_lora, disable_adapters, load_peft_state_dict, lora_modules,
+    merge_lora, merged_state, peft_state_dict, resolve_targets,
 )
 from tests.qwen_image_reference import (
     diffusers_reference, make_inputs, megatron_from_reference, reference_forward, rel_err, tiny_config,
@@ -218,3 +218,45 @@ def test_zero_B_init_and_checkpoint_keys(single_rank):
     assert keys_before <= keys_after  # base weights keep their checkpoint keys
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         apply_lora(model, RANK, ALPHA, ["to_q"], qwen_image_rules(arch))
+
+
+@pytest.mark.parametrize("kind", ["column_skip_bias", "replicated", "column_gathered"])
+def test_fused_inference_forward_per_base_kind(single_rank, kind):
+    """The engine's fused path (adapter output added in the base GEMM's epilogue) returns what the plain
+    forward returns, bias handling included; a base that gathers its output keeps the plain path."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from model_specs.common.fusion import fuse_inference
+
+    arch = tiny_config(num_layers=1)
+    cfg = arch.transformer_config(1, params_dtype=torch.float32)
+    torch.manual_seed(0)
+    if kind == "replicated":
+        base = torch.nn.Linear(24, 40)
+    else:
+        base = ColumnParallelLinear(24, 40, config=cfg, init_method=cfg.init_method, bias=True,
+                                    gather_output=kind == "column_gathered", skip_bias_add=kind == "column_skip_bias",
+                                    tp_group=single_rank.tp_group)
+    target = LoRATarget("lin", ("lin",), (0,), 1)
+    lora = LoRALinear(base, target, rank=4, alpha=8.0, head_dim=8)
+    torch.nn.init.normal_(lora.lora_B, std=0.1)
+    holder = torch.nn.Sequential(lora)
+    x = torch.randn(5, 3, 24)
+    with torch.no_grad():
+        plain = lora(x)
+        count = fuse_inference(holder)
+        fused = lora(x)
+    if kind == "column_gathered":
+        assert count == 0 and not lora.fused and "gathers its output" in lora.fusable()
+        with pytest.raises(ValueError, match="LoRALinear.*gathers its output"):
+            fuse_inference(holder, strict=True)
+        return
+    assert count == 1 and lora.fused
+    if kind == "replicated":
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    else:  # (output, bias): the bias returned unadded when the base skips adding it
+        torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
+        assert fused[1] is base.bias and plain[1] is base.bias
+    out = lora(x)
+    (out if kind == "replicated" else out[0]).sum().backward()  # autograd on: the plain path, adapters trained
+    assert lora.lora_B.grad is not None and lora.lora_B.grad.abs().sum() > 0
