@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from megatron_omni.rewards import AsyncRewardPool, build_reward
-from megatron_omni.trainer.mfu import flow_grpo_flops, forward_flops
+from megatron_omni.trainer.mfu import flow_grpo_flops, forward_flops, lora_forward_flops
+from model_specs.common.lora import FLOW_GRPO_TARGETS
 from model_specs.qwen_image.config import QwenImageConfig, tiny_config
 
 NEGATIVE = " "  # QwenImagePipeline's default negative prompt
@@ -106,13 +107,17 @@ def medians(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(s[k] for s in steps) for k in steps[0]}
 
 
-def phase_flops(recipe: Recipe, reused_uncond: bool = False) -> dict[str, float]:
-    """DiT FLOPs of one step by phase (megatron_omni.trainer.mfu; LoRA adapters' FLOPs not counted).
+def phase_flops(recipe: Recipe, reused_uncond: bool = False, adapters: bool = True) -> dict[str, float]:
+    """DiT FLOPs of one step by phase (megatron_omni.trainer.mfu, the LoRA adapters' FLOPs included; with
+    ``adapters=False`` the base model's alone, as this bench counted before 2026-12-01).
     ``reused_uncond``: the loop trained on the rollout's uncond outputs, so no uncond forward ran in 'train'."""
     per_row = forward_flops(recipe.arch, 1, recipe.image_tokens, recipe.text_tokens)
+    adapter = lora_forward_flops(recipe.arch, recipe.lora_rank, FLOW_GRPO_TARGETS, 1, recipe.image_tokens,
+                                 recipe.text_tokens) if adapters else 0.0
     pairs = recipe.samples * recipe.window
     return flow_grpo_flops(per_row, samples=recipe.samples, rollout_steps=recipe.num_steps, trained_pairs=pairs,
-                           cfg=recipe.guidance > 1, frozen_base=True, reused_uncond_pairs=pairs if reused_uncond else 0)
+                           cfg=recipe.guidance > 1, frozen_base=True, reused_uncond_pairs=pairs if reused_uncond else 0,
+                           adapter_flops_per_row=adapter)
 
 
 @contextlib.contextmanager

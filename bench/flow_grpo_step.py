@@ -161,7 +161,7 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
     for col in ("loop", "phase", "s / step", "TFLOP / step", "TFLOP/s", "MFU", "images/s"):
         table.add_column(col, justify="left" if col in ("loop", "phase") else "right")
     n = recipe.samples
-    dit = {}
+    dit, notes_base = {}, []
     for r in results:
         if r.error:
             table.add_row(r.name, r.error, "", "", "", "", "")
@@ -171,6 +171,10 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
         for phase in (p for p in OURS_PHASES if p in r.seconds):
             _row(table, r.name, phase, r.seconds[phase], flops.get(phase), peak)
         dit[r.name] = r.seconds["dit"]
+        if peak and recipe.lora_rank:
+            base = phase_flops(recipe, reused_uncond=r.reused_uncond, adapters=False)
+            notes_base.append(f"{r.name}: MFU of the base model's FLOPs alone (adapters not counted): "
+                              + ", ".join(f"{p} {base[p] / r.seconds[p] / peak:.1%}" for p in ("rollout", "train")))
         _row(table, r.name, "DiT side: " + " + ".join(p for p in DIT_PHASES if p in r.seconds), r.seconds["dit"],
              dit_flops, peak, n)
         if "text" in r.seconds:
@@ -180,10 +184,14 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
         ours, ref = dit.values()
         table.add_row("ours / reference", "DiT-side speed-up", "", "", "", "", f"{ref / ours:.2f} x")
     notes = [note for r in results for note in r.notes] + [_metrics_note(r) for r in results if r.metrics]
+    notes.append(f"MFU counts the LoRA r{recipe.lora_rank} adapters' FLOPs as work done (a forward's adapter FLOPs "
+                 f"per policy forward, 3x per trained pair: forward, activation and adapter weight gradients)")
+    notes += notes_base
     if recipe.reuse_uncond:
         notes.append("ours trains on the rollout's uncond outputs (same weights and inputs: exact): its training "
                      "forward carries cond rows only, and 'train' counts the 2 forward-equivalents per pair it runs "
-                     "(cond forward + activation backward); the reference runs uncond under no_grad (3)")
+                     "(cond forward + activation backward) plus the adapters'; the reference runs uncond under "
+                     "no_grad (3)")
     else:
         notes.append("ours (--no-reuse-uncond) trains cond + uncond in one batched forward and detaches the uncond "
                      "branch in the loss: its backward runs over both halves, so MFU of 'train' counts 3 of the 4 "

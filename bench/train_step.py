@@ -14,7 +14,9 @@ optimizer.  Old log-probs come from a forward-only pass first, so the ratios are
 * full: every parameter trained (megatron's Adam, fp32 main weights and grads): 3 forwards' FLOPs per pair.
   The 20.4 B model's optimizer state does not fit one GPU, so this runs ``--full-layers`` blocks (same
   block shapes; MFU per block is what the full model would reach, the embedders are a rounding error).
-MFU is against the measured bf16 matmul peak (792 TFLOP/s on an H200, BENCHMARKS.md).
+MFU is against the measured bf16 matmul peak (792 TFLOP/s on an H200, BENCHMARKS.md) and counts the LoRA adapters'
+FLOPs (forward, activation and adapter weight gradients: megatron_omni.trainer.mfu); "base MFU" counts the base
+model's alone (a LoRA pair = 2 forward-equivalents, a full fine-tuning pair 3), as this bench did before 2026-12-01.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ import torch  # noqa: E402
 import megatron_omni  # noqa: E402,F401  (quiet upstream notices)
 from _flow_grpo_parts import Recipe, free_device_memory, make_recipe, peak_gib, synchronize  # noqa: E402
 from megatron_omni.algorithms import FlowGRPOLossConfig, FlowGRPOMicroBatch, flow_grpo_forward_step  # noqa: E402
-from megatron_omni.trainer.mfu import device_peak_flops, forward_flops  # noqa: E402
+from megatron_omni.trainer.mfu import device_peak_flops, forward_flops, lora_forward_flops  # noqa: E402
+from model_specs.common.lora import FLOW_GRPO_TARGETS  # noqa: E402
 
 
 def _microbatches(recipe: Recipe, size: int) -> list[FlowGRPOMicroBatch]:
@@ -64,7 +67,7 @@ def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, s
         profile: bool) -> dict:
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from megatron_omni.trainer.policy import build_policy, compile_policy, run_microbatches
-    from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
+    from model_specs.common.lora import apply_lora
     from checkpoints_convert.qwen_image import qwen_image_rules
 
     state = init_parallel(device=recipe.device.type, seed=0)
@@ -145,19 +148,24 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: FlowGRPO training step, "
           f"{r0.samples * r0.window} pairs ({r0.image_tokens} image + {r0.text_tokens} text tokens, cond rows, the "
           f"rollout's uncond reused), {str(r0.dtype).removeprefix('torch.')}")
-    print(f"{'run':<28} {'blocks':>6} {'trained':>9} {'s/step':>8} {'ready s':>8} {'TFLOP/s':>8} {'MFU':>6} "
+    print(f"{'run':<28} {'blocks':>6} {'trained':>9} {'s/step':>8} {'ready s':>8} {'TFLOP/s':>8} {'MFU':>6} {'base MFU':>8} "
           f"{'peak GiB':>9} {'ratio':>7}")
     for name, r, recipe in rows:
         if r is None:
             print(f"{name:<28} out of memory")
             continue
+        lora = name.startswith("lora")
         per_row = forward_flops(recipe.arch, 1, recipe.image_tokens, recipe.text_tokens)
-        flops = per_row * recipe.samples * recipe.window * (2 if name.startswith("lora") else 3)
+        adapter = lora_forward_flops(recipe.arch, recipe.lora_rank if lora else 0, FLOW_GRPO_TARGETS, 1,
+                                     recipe.image_tokens, recipe.text_tokens)
+        base = per_row * recipe.samples * recipe.window * (2 if lora else 3)
+        flops = base + 3 * adapter * recipe.samples * recipe.window
         tflops = flops / r["seconds"] / 1e12
         mfu = f"{flops / r['seconds'] / peak:.1%}" if peak else "-"
+        mfu_base = f"{base / r['seconds'] / peak:.1%}" if peak else "-"
         peak_mem = f"{r['peak']:.1f}" if r["peak"] is not None else "-"
         print(f"{name:<28} {r['layers']:>6} {r['trained'] / 1e6:>8.1f}M {r['seconds']:>8.3f} {r['first']:>8.1f} "
-              f"{tflops:>8.0f} {mfu:>6} {peak_mem:>9} {r['ratio']:>7.4f}")
+              f"{tflops:>8.0f} {mfu:>6} {mfu_base:>8} {peak_mem:>9} {r['ratio']:>7.4f}")
 
 
 if __name__ == "__main__":

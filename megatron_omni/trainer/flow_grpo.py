@@ -42,7 +42,7 @@ from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, 
 from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, SyncError, push_weights
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches, without_reused_uncond
-from megatron_omni.trainer.mfu import device_peak_flops, step_flops
+from megatron_omni.trainer.mfu import device_peak_flops, lora_forward_flops, step_flops
 from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
 from model_specs.qwen_image.flops import forward_flops
@@ -337,17 +337,21 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
 
 def _utilisation(cfg: RunConfig, task: Task, trajs: list[Trajectory], seconds: float) -> dict[str, float]:
     """Achieved TFLOP/s of the step's DiT work, and MFU where the device's peak is known.  Counts the
-    forwards actually run: no uncond rows where the rollout's uncond output was reused."""
-    per_row = forward_flops(cfg.model.arch, 1, task.img_fhw[0] * task.img_fhw[1] * task.img_fhw[2],
-                            cfg.data.text_max_tokens)
+    forwards actually run: no uncond rows where the rollout's uncond output was reused; with LoRA, no weight
+    gradients of the frozen base and the adapters' own FLOPs."""
+    image_tokens = task.img_fhw[0] * task.img_fhw[1] * task.img_fhw[2]
+    per_row = forward_flops(cfg.model.arch, 1, image_tokens, cfg.data.text_max_tokens)
+    adapter = lora_forward_flops(cfg.model.arch, cfg.lora.rank, cfg.lora.targets, 1, image_tokens,
+                                 cfg.data.text_max_tokens)
     cfg_rows = 2 if cfg.rollout.guidance_scale > 1 else 1
     pairs = int(sum(int(t.trained.sum()) for t in trajs))
     check = int(sum(int(t.trained.sum()) for t in trajs[: cfg.algorithm.logprob_check_samples]))
     reused = min(pairs, max(cfg.train.global_batch_size, cfg.train.micro_batch_size)) if reuses_uncond(cfg) else 0
     check_rows = check * (1 if reuses_uncond(cfg) else cfg_rows)
-    # uncond rows of the optimizer steps that recompute them; the KL reference runs its own cond (+ uncond) rows
-    extra = (pairs - reused) * (cfg_rows - 1) + (pairs * cfg_rows if cfg.algorithm.kl_beta > 0 else 0)
-    flops = step_flops(per_row, len(trajs) * cfg.rollout.num_steps * cfg_rows, check_rows, pairs, extra)
+    extra = (pairs - reused) * (cfg_rows - 1)  # uncond rows of the optimizer steps that recompute them
+    reference = pairs * cfg_rows if cfg.algorithm.kl_beta > 0 else 0  # the KL reference's own rows, adapters off
+    flops = step_flops(per_row, len(trajs) * cfg.rollout.num_steps * cfg_rows, check_rows, pairs, extra,
+                       frozen_base=cfg.lora.rank > 0, adapter_flops_per_row=adapter, reference_rows=reference)
     out = {"tflops_per_second": flops / seconds / 1e12}
     peak = device_peak_flops(DTYPES[cfg.model.dtype])
     if peak:

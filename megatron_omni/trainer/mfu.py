@@ -9,7 +9,9 @@ family's architecture config (``forward_flops``).  A step's FLOPs count the work
 so that the MFU of two implementations compares their speed: a trained row is a forward plus a backward
 that computes activation gradients (about one forward) and weight gradients (another, skipped for a
 frozen base under LoRA); the uncond branch of true CFG needs a forward and no backward, and none at all
-where the trainer reused the rollout's uncond output (same weights, same inputs).
+where the trainer reused the rollout's uncond output (same weights, same inputs).  LoRA adapters are
+counted as the work they are (``lora_forward_flops``, per family): A per policy forward, 3·A per trained
+row (forward, activation gradient, adapter weight gradient); the KL reference runs without them.
 """
 from __future__ import annotations
 
@@ -19,11 +21,14 @@ import torch
 
 from model_specs.qwen_image.config import QwenImageConfig
 from model_specs.qwen_image.flops import forward_flops as qwen_image_forward_flops
+from model_specs.qwen_image.flops import lora_forward_flops as qwen_image_lora_flops
 
 MEASURED_BF16_PEAK = {"H200": 792e12, "H100": 792e12}
 
 # family config class -> forward FLOPs (arch, batch, image_tokens, text_tokens)
 FORWARD_FLOPS: dict[type, Callable[..., float]] = {QwenImageConfig: qwen_image_forward_flops}
+# family config class -> LoRA adapters' forward FLOPs (arch, rank, targets, batch, image_tokens, text_tokens)
+LORA_FLOPS: dict[type, Callable[..., float]] = {QwenImageConfig: qwen_image_lora_flops}
 
 
 def device_peak_flops(dtype: torch.dtype) -> float | None:
@@ -33,13 +38,24 @@ def device_peak_flops(dtype: torch.dtype) -> float | None:
     return next((peak for key, peak in MEASURED_BF16_PEAK.items() if key in name), None)
 
 
-def forward_flops(arch, batch: int, image_tokens: int, text_tokens: int) -> float:
-    """FLOPs of one forward of ``arch``'s model family over ``batch`` rows."""
-    counter = FORWARD_FLOPS.get(type(arch))
+def _counter(table: dict[type, Callable[..., float]], table_name: str, arch) -> Callable[..., float]:
+    counter = table.get(type(arch))
     if counter is None:
         raise ValueError(f"no FLOP counter for {type(arch).__name__}; expected one of "
-                         f"{[c.__name__ for c in FORWARD_FLOPS]} (register it in FORWARD_FLOPS)")
-    return counter(arch, batch, image_tokens, text_tokens)
+                         f"{[c.__name__ for c in table]} (register it in {table_name})")
+    return counter
+
+
+def forward_flops(arch, batch: int, image_tokens: int, text_tokens: int) -> float:
+    """FLOPs of one forward of ``arch``'s model family over ``batch`` rows."""
+    return _counter(FORWARD_FLOPS, "FORWARD_FLOPS", arch)(arch, batch, image_tokens, text_tokens)
+
+
+def lora_forward_flops(arch, rank: int, targets, batch: int, image_tokens: int, text_tokens: int) -> float:
+    """FLOPs of the LoRA adapters (rank ``rank`` on ``targets``) in one forward over ``batch`` rows; 0 without."""
+    if rank <= 0:
+        return 0.0
+    return _counter(LORA_FLOPS, "LORA_FLOPS", arch)(arch, rank, targets, batch, image_tokens, text_tokens)
 
 
 def _backward_forwards(frozen_base: bool) -> int:
@@ -48,26 +64,32 @@ def _backward_forwards(frozen_base: bool) -> int:
 
 
 def step_flops(forward_flops_per_row: float, rollout_rows: int, check_rows: int, train_rows: int,
-               extra_forward_rows: int = 0, frozen_base: bool = False) -> float:
+               extra_forward_rows: int = 0, frozen_base: bool = False, adapter_flops_per_row: float = 0.0,
+               reference_rows: int = 0) -> float:
     """Rollout and log-prob check are forwards; a trained row is a forward and a backward; extra forward
-    rows are CFG uncond branches and reference passes done under no_grad."""
-    per_train_row = 1 + _backward_forwards(frozen_base)
-    return forward_flops_per_row * (rollout_rows + check_rows + per_train_row * train_rows + extra_forward_rows)
+    rows are CFG uncond branches done under no_grad; reference rows are the KL reference's forwards (the
+    base alone: adapters off).  ``adapter_flops_per_row``: the LoRA adapters' part of a policy forward."""
+    policy_forwards = rollout_rows + check_rows + train_rows + extra_forward_rows
+    return (forward_flops_per_row * (policy_forwards + _backward_forwards(frozen_base) * train_rows + reference_rows)
+            + adapter_flops_per_row * (policy_forwards + 2 * train_rows))  # adapters: A and B get weight gradients
 
 
 def flow_grpo_flops(forward_flops_per_row: float, *, samples: int, rollout_steps: int, trained_pairs: int,
                     cfg: bool, frozen_base: bool, check_pairs: int = 0, reused_uncond_pairs: int = 0,
-                    check_reuses_uncond: bool = False) -> dict[str, float]:
+                    check_reuses_uncond: bool = False, adapter_flops_per_row: float = 0.0) -> dict[str, float]:
     """FLOPs of one FlowGRPO step by phase.  rollout: every sample's steps, two rows each with true CFG;
     train: per (sample, step) pair the cond forward and backward, and the uncond forward with CFG except for
     the ``reused_uncond_pairs`` that took the rollout's uncond output (no forward ran for it);
     check: the trainer's log-prob recomputation of ``check_pairs`` pairs (forwards; cond rows only when
-    ``check_reuses_uncond``)."""
+    ``check_reuses_uncond``).  ``adapter_flops_per_row``: as in ``step_flops``."""
     rows = 2 if cfg else 1
     uncond_forwards = (trained_pairs - reused_uncond_pairs) if cfg else 0
-    return {"rollout": forward_flops_per_row * samples * rollout_steps * rows,
-            "train": forward_flops_per_row * (trained_pairs * (1 + _backward_forwards(frozen_base)) + uncond_forwards),
-            "check": forward_flops_per_row * check_pairs * (1 if check_reuses_uncond else rows)}
+    check_rows = check_pairs * (1 if check_reuses_uncond else rows)
+    return {"rollout": step_flops(forward_flops_per_row, samples * rollout_steps * rows, 0, 0,
+                                  adapter_flops_per_row=adapter_flops_per_row),
+            "train": step_flops(forward_flops_per_row, 0, 0, trained_pairs, uncond_forwards, frozen_base,
+                                adapter_flops_per_row),
+            "check": step_flops(forward_flops_per_row, 0, check_rows, 0, adapter_flops_per_row=adapter_flops_per_row)}
 
 
 def utilisation(flops: float, seconds: float, peak: float | None) -> dict[str, float]:

@@ -38,3 +38,31 @@ def test_reused_uncond_counts_no_uncond_forward():
     half = flow_grpo_flops(1.0, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True,
                            reused_uncond_pairs=16)
     assert half["train"] == 32 * 2 + 16
+
+
+def test_lora_adapter_flops_qwen_image():
+    """2·r·(in + out) per token and adapted linear, on its stream's tokens: the FlowGRPO targets at full size,
+    r 64, 512² + 128 text tokens are ~3.1 % of the forward; unknown targets are refused."""
+    from model_specs.common.lora import FLOW_GRPO_TARGETS
+    from megatron_omni.trainer.mfu import lora_forward_flops
+
+    arch = QwenImageConfig()
+    h, f, r = arch.hidden_size, arch.ffn_hidden_size, 64
+    per_token = 4 * 2 * r * (h + h) + 2 * 2 * r * (h + f)  # either stream: q, k, v, out (h -> h); fc1, fc2
+    expected = 60 * per_token * (1024 + 128)
+    assert lora_forward_flops(arch, r, FLOW_GRPO_TARGETS, 1, 1024, 128) == pytest.approx(expected)
+    assert lora_forward_flops(arch, r, FLOW_GRPO_TARGETS, 1, 1024, 128) / forward_flops(arch, 1, 1024, 128) \
+        == pytest.approx(0.031, abs=0.002)
+    assert lora_forward_flops(arch, r, ["to_q"], 3, 1024, 128) == 3 * 60 * 2 * r * 2 * h * 1024
+    assert lora_forward_flops(arch, 0, FLOW_GRPO_TARGETS, 1, 1024, 128) == 0.0
+    with pytest.raises(ValueError, match=r"LoRA targets \['proj_out'\] name no Qwen-Image block linear"):
+        lora_forward_flops(arch, r, ["to_q", "proj_out"], 1, 1024, 128)
+
+
+def test_adapter_flops_per_phase():
+    """Policy forwards carry A each, a trained row 3·A; the KL reference's rows the base alone."""
+    assert step_flops(1.0, 10, 2, 4, 4, frozen_base=True, adapter_flops_per_row=0.5, reference_rows=3) \
+        == (10 + 2 + 8 + 4 + 3) + 0.5 * (10 + 2 + 4 + 4 + 2 * 4)
+    phases = flow_grpo_flops(1.0, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True,
+                             reused_uncond_pairs=32, adapter_flops_per_row=0.1)
+    assert phases["rollout"] == pytest.approx(320 * 1.1) and phases["train"] == pytest.approx(64 + 0.3 * 32)
