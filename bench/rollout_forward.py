@@ -3,15 +3,12 @@ diffusers' QwenImageTransformer2DModel, same GPU, same run.  Random init, bf16, 
 tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one table.
 
     python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
-                                    [--no-eager] [--no-reference] [--profile] [--fusion fused unfused lora-plain]
-                                    [--lora 64]
+                                    [--no-eager] [--no-reference] [--profile] [--fusion fused unfused] [--lora 64]
 
 ``--fusion``: ours with the rollout engine's inference fusions (model_specs.common.fusion: fc1 bias + GELU-tanh in
 the GEMM epilogue, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)
 and / or without them (megatron-core's MLP, the norms, RoPE and concatenation as torch.compile fuses them).  ``--lora R``: ours with LoRA rank R on the FlowGRPO targets
-(nonzero B), as the rollout of a LoRA run computes; the fused MLP then folds fc1's adapter into its GEMM and the
-other adapted linears add the adapter's output in their GEMM's epilogue (``lora-plain``: every fusion but that one,
-for an A / B of it).
+(nonzero B), as the rollout of a LoRA run computes; the fused MLP then folds fc1's adapter into its GEMM.
 
 MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, BENCHMARKS.md); FLOPs from
 model_specs/qwen_image/flops.py (16.6 TFLOP per image at 512x512).
@@ -41,7 +38,7 @@ def _inputs(arch: QwenImageConfig, batch: int):
             torch.rand(batch, device="cuda", generator=g))
 
 
-def ours(arch, batches, repeats, compile_mode=None, profile=False, fusion="fused", lora_rank=0):
+def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from model_specs.qwen_image.model import QwenImageModel
     from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -56,14 +53,10 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fusion="fused
         apply_lora(model, lora_rank, 2.0 * lora_rank, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
         for m in lora_modules(model).values():
             torch.nn.init.normal_(m.lora_B, std=1e-3)  # nonzero, as after training
-    if fusion != "unfused":
+    if fused:
         from model_specs.common.fusion import fuse_inference
-        from model_specs.common.lora import lora_modules
 
         fuse_inference(model, strict=True)
-        if fusion == "lora-plain":
-            for m in lora_modules(model).values():
-                m.fused = False
     out = {}
     if compile_mode:
         from megatron_omni.compile import compile_blocks
@@ -122,9 +115,8 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
     p.add_argument("--no-eager", action="store_true", help="time ours only under the --compile modes")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
-    p.add_argument("--fusion", nargs="+", choices=("fused", "unfused", "lora-plain"),
-                   default=["fused"], help="ours with the engine's inference fusions, and / or without (lora-plain: "
-                                           "all but the LoRA linears' epilogue)")
+    p.add_argument("--fusion", nargs="+", choices=("fused", "unfused"), default=["fused"],
+                   help="ours with the engine's inference fusions, and / or without")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on the FlowGRPO targets (0 = none)")
     args = p.parse_args()
     arch = QwenImageConfig(num_layers=args.layers)
@@ -136,7 +128,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             name = f"ours {mode or 'eager'}{lora} {fusion}"
             print(f"--- {name}", flush=True)
-            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile, fusion, args.lora)
+            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile, fusion == "fused", args.lora)
     gc.collect()
     torch.cuda.empty_cache()
     if not args.no_reference:

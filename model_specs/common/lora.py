@@ -26,11 +26,12 @@ Tensor parallelism (no sequence parallelism):
 A is drawn from a generator seeded by (seed, diffusers name) over the *global* input, then sliced, so
 the adapters are the same at every TP size.
 
-Inference (the rollout engine, ``model_specs.common.fusion.fuse_inference``): with autograd off a fused
-``LoRALinear`` writes the adapter's output (and the base's bias) first, with one thin GEMM, then runs the base
-GEMM with beta = 1 so its epilogue adds them (``lora_addmm``).  The plain path writes the base's output, the
-adapter's output, then reads both again to add them (and the bias) — on an H200 at the rollout's 32 k tokens
-that was most of the adapters' cost per forward (bench/RESULTS.md).
+The adapter's output joins the base GEMM (``lora_addmm``, trainer and rollout engine alike): one thin GEMM
+writes (alpha / r) B h + bias, then the base GEMM runs with beta = 1 so its epilogue adds them.  Adding them
+in separate passes (write the base's output, the adapter's, read both) cost the rollout forward 2 % more on
+an H200 (bench/RESULTS.md), and trainer and engine must compute alike: the rollout's log-probs are the
+first optimizer step's old log-probs.  Bases whose output is gathered or a partial sum over TP (row-parallel
+at TP > 1) keep the separate add.
 
 Parameters: ``lora_A`` [P, r, in_local], ``lora_B`` [P, out_local / n_fused, r] for P adapter parts.
 Module names gain ``.base`` (``linear_qkv.base.weight``); distributed-checkpoint keys keep the original
@@ -130,10 +131,10 @@ def _init_A(name: str, seed: int, rank: int, n_in: int) -> torch.Tensor:
 @torch.library.custom_op("megatron_omni::lora_addmm", mutates_args=())
 def lora_addmm(x_MK: torch.Tensor, w_NK: torch.Tensor, h_MR: torch.Tensor, up_NR: torch.Tensor,
                bias_N: Optional[torch.Tensor]) -> torch.Tensor:
-    """x W^T + (h up^T + b), forward only.  The thin GEMM writes h up^T + b (bias in its epilogue); the base
-    GEMM then accumulates onto it in place (beta = 1: cuBLAS reads it in the epilogue of a compute-bound
-    GEMM).  One opaque op so torch.compile keeps the in-place accumulation rather than functionalising it
-    into an out-of-place addmm (which copies its input first)."""
+    """x W^T + (h up^T + b).  The thin GEMM writes h up^T + b (bias in its epilogue); the base GEMM then
+    accumulates onto it in place (beta = 1: cuBLAS reads it in the epilogue of a compute-bound GEMM).  One
+    opaque op so torch.compile keeps the in-place accumulation rather than functionalising it into an
+    out-of-place addmm (which copies its input first)."""
     out = torch.mm(h_MR, up_NR.t()) if bias_N is None else torch.addmm(bias_N, h_MR, up_NR.t())
     return out.addmm_(x_MK, w_NK.t())
 
@@ -143,14 +144,27 @@ def _(x_MK, w_NK, h_MR, up_NR, bias_N):
     return x_MK.new_empty(x_MK.shape[0], w_NK.shape[0])
 
 
+def _lora_addmm_setup(ctx, inputs, output):
+    x_MK, w_NK, h_MR, up_NR, _ = inputs
+    ctx.save_for_backward(x_MK if w_NK.requires_grad else None, w_NK, h_MR, up_NR)
+
+
+def _lora_addmm_backward(ctx, g_MN):
+    x_MK, w_NK, h_MR, up_NR = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    return (g_MN @ w_NK if need[0] else None, g_MN.t() @ x_MK if need[1] else None,
+            g_MN @ up_NR if need[2] else None, g_MN.t() @ h_MR if need[3] else None,
+            g_MN.sum(0) if need[4] else None)
+
+
+lora_addmm.register_autograd(_lora_addmm_backward, setup_context=_lora_addmm_setup)
+
+
 class LoRALinear(torch.nn.Module):
     """base(x) + (alpha / r) * B A x on a frozen base linear; returns what the base returns.
 
-    Mirrors peft's ``lora.Linear`` (no dropout).  See the module docstring for the TP layout, and for the
-    inference path ``fused`` switches on (``model_specs.common.fusion``).
+    Mirrors peft's ``lora.Linear`` (no dropout).  See the module docstring for the TP layout and the epilogue.
     """
-
-    fused = False  # set by model_specs.common.fusion.fuse_inference
 
     def __init__(self, base: torch.nn.Module, target: LoRATarget, rank: int, alpha: float, head_dim: int,
                  seed: int = 0):
@@ -173,13 +187,11 @@ class LoRALinear(torch.nn.Module):
         self.lora_A = torch.nn.Parameter(a_PRI.to(device=base.weight.device, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(len(target.hf), rows, rank, device=base.weight.device,
                                                      dtype=dtype))
-        # (alpha / r) B in the base's layout for the fused path; a buffer so model.to() moves it, not saved
-        self.register_buffer("fused_up", None, persistent=False)
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        if self.fused and self.enabled and not torch.is_grad_enabled() and not args and not kwargs:
-            return self._fused_forward(x)
+        if self.enabled and not args and not kwargs and self._epilogue_path():
+            return self._epilogue_forward(x)
         out = self.base(x, *args, **kwargs)
         if not self.enabled:
             return out
@@ -187,6 +199,31 @@ class LoRALinear(torch.nn.Module):
             return out + self._low_rank(x)
         y, bias = out
         return y + self._low_rank(x), bias
+
+    def _epilogue_path(self) -> bool:
+        """The adapter's output can join the base GEMM's epilogue: a frozen base whose product is this rank's
+        whole output (not gathered, and not a partial sum over TP: there the adapter term must be added once,
+        after the all-reduce, for B and dh to get the same gradient on every rank)."""
+        if self.base.weight.requires_grad or (self.base.bias is not None and self.base.bias.requires_grad):
+            return False
+        if self.kind == COLUMN:
+            return not self.base.gather_output
+        return self.kind == REPLICATED or self.tp_size == 1
+
+    def _epilogue_forward(self, x: torch.Tensor):
+        """What the plain forward returns, with (alpha / r) B A x and the bias added in the base GEMM's epilogue
+        (``lora_addmm``); the trainer and the rollout engine both run it, so they round alike."""
+        base = self.base
+        x_MK = x.reshape(-1, x.shape[-1])
+        p, r = self.lora_A.shape[:2]
+        h_MR = F.linear(x_MK, self.lora_A.reshape(p * r, -1))
+        if self.kind == COLUMN:  # backward: sum the partial dh, and the base's partial dx, over TP (as megatron)
+            h_MR = copy_to_tensor_model_parallel_region(h_MR, group=self.tp_group)
+            x_MK = copy_to_tensor_model_parallel_region(x_MK, group=self.tp_group)
+        skip_bias = self.kind != REPLICATED and base.skip_bias_add
+        y_MN = lora_addmm(x_MK, base.weight, h_MR, self._up_weight(), None if skip_bias else base.bias)
+        y = y_MN.view(*x.shape[:-1], y_MN.shape[-1])
+        return y if self.kind == REPLICATED else (y, base.bias if skip_bias else None)
 
     def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
         """(alpha / r) * B A x with this rank's slice of the base's output layout."""
@@ -203,41 +240,6 @@ class LoRALinear(torch.nn.Module):
         if self.kind == COLUMN and self.base.gather_output:
             y = gather_from_tensor_model_parallel_region(y, group=group)
         return y
-
-    def fusable(self) -> str:
-        """'' when ``_fused_forward`` computes what ``forward`` does for this base; else why not."""
-        if self.kind == COLUMN and self.base.gather_output:
-            return "the column-parallel base gathers its output over TP"
-        return ""
-
-    @torch.no_grad()
-    def refresh_fused(self) -> None:
-        """Rebuild ``fused_up`` from the current B (the engine calls it before each batch)."""
-        self.fused_up = self._up_weight().detach().clone() if self.fused else None
-
-    def _fused_forward(self, x: torch.Tensor):
-        """The plain forward's result (no autograd) with the adapter's output added in the base GEMM's epilogue.
-        Row-parallel at TP > 1: the adapter's output and the bias join rank 0's partial product, once, before
-        the output all-reduce (megatron adds the bias after it; the sum is the same)."""
-        if self.fused_up is None:
-            raise RuntimeError("LoRALinear: fused but refresh_fused() was not called")
-        base, group = self.base, self.tp_group
-        if self.kind == ROW and not base.input_is_parallel:
-            x = scatter_to_tensor_model_parallel_region(x, group=group)
-        x_MK = x.reshape(-1, x.shape[-1])
-        p, r = self.lora_A.shape[:2]
-        h_MR = F.linear(x_MK, self.lora_A.reshape(p * r, -1))
-        skip_bias = self.kind != REPLICATED and base.skip_bias_add
-        bias = None if skip_bias else base.bias
-        if self.kind == ROW and self.tp_size > 1:
-            h_MR = reduce_from_tensor_model_parallel_region(h_MR, group=group)
-            y_MN = (lora_addmm(x_MK, base.weight, h_MR, self.fused_up, bias) if self.tp_rank == 0
-                    else torch.mm(x_MK, base.weight.t()))
-            y_MN = reduce_from_tensor_model_parallel_region(y_MN, group=group)
-        else:
-            y_MN = lora_addmm(x_MK, base.weight, h_MR, self.fused_up, bias)
-        y = y_MN.view(*x.shape[:-1], y_MN.shape[-1])
-        return y if self.kind == REPLICATED else (y, base.bias if skip_bias else None)
 
     def _up_weight(self) -> torch.Tensor:
         """(alpha / r) * B as ONE [O_local, P*r] matrix in the base's output layout: part j's rows read h's

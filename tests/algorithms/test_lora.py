@@ -220,43 +220,44 @@ def test_zero_B_init_and_checkpoint_keys(single_rank):
         apply_lora(model, RANK, ALPHA, ["to_q"], qwen_image_rules(arch))
 
 
-@pytest.mark.parametrize("kind", ["column_skip_bias", "replicated", "column_gathered"])
-def test_fused_inference_forward_per_base_kind(single_rank, kind):
-    """The engine's fused path (adapter output added in the base GEMM's epilogue) returns what the plain
-    forward returns, bias handling included; a base that gathers its output keeps the plain path."""
+@pytest.mark.parametrize("kind", ["column_skip_bias", "row", "replicated", "column_gathered", "trainable_base"])
+def test_epilogue_forward_equals_the_separate_add(single_rank, kind):
+    """The adapter's output added in the base GEMM's epilogue (``lora_addmm``, with its own backward) gives the
+    separate add's output and gradients, bias handling included; a gathered output or a trainable base keeps
+    the separate add."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from model_specs.common.fusion import fuse_inference
+    from megatron_omni.parallel.linears import RowParallelLinear
 
-    arch = tiny_config(num_layers=1)
-    cfg = arch.transformer_config(1, params_dtype=torch.float32)
+    cfg = tiny_config(num_layers=1).transformer_config(1, params_dtype=torch.float32)
     torch.manual_seed(0)
+    kw = dict(config=cfg, init_method=cfg.init_method, bias=True, tp_group=single_rank.tp_group)
     if kind == "replicated":
         base = torch.nn.Linear(24, 40)
+    elif kind == "row":
+        base = RowParallelLinear(24, 40, input_is_parallel=True, skip_bias_add=False, **kw)
     else:
-        base = ColumnParallelLinear(24, 40, config=cfg, init_method=cfg.init_method, bias=True,
-                                    gather_output=kind == "column_gathered", skip_bias_add=kind == "column_skip_bias",
-                                    tp_group=single_rank.tp_group)
-    target = LoRATarget("lin", ("lin",), (0,), 1)
-    lora = LoRALinear(base, target, rank=4, alpha=8.0, head_dim=8)
+        base = ColumnParallelLinear(24, 40, gather_output=kind == "column_gathered",
+                                    skip_bias_add=kind == "column_skip_bias", **kw)
+    lora = LoRALinear(base, LoRATarget("lin", ("lin",), (0,), 1), rank=4, alpha=8.0, head_dim=8)
     torch.nn.init.normal_(lora.lora_B, std=0.1)
-    holder = torch.nn.Sequential(lora)
-    x = torch.randn(5, 3, 24)
-    with torch.no_grad():
-        plain = lora(x)
-        count = fuse_inference(holder)
-        fused = lora(x)
-    if kind == "column_gathered":
-        assert count == 0 and not lora.fused and "gathers its output" in lora.fusable()
-        with pytest.raises(ValueError, match="LoRALinear.*gathers its output"):
-            fuse_inference(holder, strict=True)
-        return
-    assert count == 1 and lora.fused
+    base.requires_grad_(kind == "trainable_base")
+    assert lora._epilogue_path() == (kind not in ("column_gathered", "trainable_base"))
+    x = torch.randn(5, 3, 24, requires_grad=True)
+
+    def run(epilogue: bool):
+        lora._epilogue_path = lambda: epilogue  # (instance attribute: the class's choice bypassed for the check)
+        out = lora(x)
+        y = out if kind == "replicated" else out[0]
+        params = [p for p in (x, lora.lora_A, lora.lora_B) + tuple(base.parameters()) if p.requires_grad]
+        return out, torch.autograd.grad((y * torch.linspace(-1, 1, y.shape[-1])).sum(), params)
+
+    (separate, g_separate), (epilogue, g_epilogue) = run(False), run(True)
+    del lora._epilogue_path
     if kind == "replicated":
-        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
-    else:  # (output, bias): the bias returned unadded when the base skips adding it
-        torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
-        assert fused[1] is base.bias and plain[1] is base.bias
-    out = lora(x)
-    (out if kind == "replicated" else out[0]).sum().backward()  # autograd on: the plain path, adapters trained
-    assert lora.lora_B.grad is not None and lora.lora_B.grad.abs().sum() > 0
+        torch.testing.assert_close(epilogue, separate, rtol=1e-5, atol=1e-6)
+    else:  # (output, bias): the bias comes back unadded when the base skips adding it
+        torch.testing.assert_close(epilogue[0], separate[0], rtol=1e-5, atol=1e-6)
+        assert (epilogue[1] is base.bias) == (separate[1] is base.bias) == (kind == "column_skip_bias")
+    for a, b in zip(g_epilogue, g_separate, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

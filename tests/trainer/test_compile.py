@@ -32,8 +32,7 @@ def test_compiled_blocks_equal_eager_rollout_and_lora_training(single_rank):
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(compiled, "default")
-    # the rollout engine's fused MLPs and attentions, and the 8 LoRA linears of each block
-    assert fuse_inference(compiled) == (3 + 8) * arch.num_layers
+    assert fuse_inference(compiled) == 3 * arch.num_layers  # the rollout engine's fused MLPs and attentions
     g = torch.Generator().manual_seed(1)
     img, txt = torch.randn(2, 16, arch.in_channels, generator=g), torch.randn(2, 8, arch.joint_attention_dim, generator=g)
     sigma, mask = torch.tensor([0.3, 0.8]), torch.tensor([[True] * 8, [True] * 5 + [False] * 3])
