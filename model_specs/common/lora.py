@@ -26,13 +26,6 @@ Tensor parallelism (no sequence parallelism):
 A is drawn from a generator seeded by (seed, diffusers name) over the *global* input, then sliced, so
 the adapters are the same at every TP size.
 
-The adapter's output joins the base GEMM (``lora_addmm``, trainer and rollout engine alike): one thin GEMM
-writes (alpha / r) B h + bias, then the base GEMM runs with beta = 1 so its epilogue adds them.  Adding them
-in separate passes (write the base's output, the adapter's, read both) cost the rollout forward 2 % more on
-an H200 (bench/RESULTS.md), and trainer and engine must compute alike: the rollout's log-probs are the
-first optimizer step's old log-probs.  Bases whose output is gathered or a partial sum over TP (row-parallel
-at TP > 1) keep the separate add.
-
 Parameters: ``lora_A`` [P, r, in_local], ``lora_B`` [P, out_local / n_fused, r] for P adapter parts.
 Module names gain ``.base`` (``linear_qkv.base.weight``); distributed-checkpoint keys keep the original
 names (``LoRALinear.sharded_state_dict``), and ``merged_state`` / ``peft_state_dict`` give export names.
@@ -43,11 +36,10 @@ from __future__ import annotations
 import contextlib
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
@@ -128,42 +120,10 @@ def _init_A(name: str, seed: int, rank: int, n_in: int) -> torch.Tensor:
     return (torch.rand(rank, n_in, generator=g, dtype=torch.float64, device="cpu") * 2 - 1).mul_(bound).float()
 
 
-@torch.library.custom_op("megatron_omni::lora_addmm", mutates_args=())
-def lora_addmm(x_MK: torch.Tensor, w_NK: torch.Tensor, h_MR: torch.Tensor, up_NR: torch.Tensor,
-               bias_N: Optional[torch.Tensor]) -> torch.Tensor:
-    """x W^T + (h up^T + b).  The thin GEMM writes h up^T + b (bias in its epilogue); the base GEMM then
-    accumulates onto it in place (beta = 1: cuBLAS reads it in the epilogue of a compute-bound GEMM).  One
-    opaque op so torch.compile keeps the in-place accumulation rather than functionalising it into an
-    out-of-place addmm (which copies its input first)."""
-    out = torch.mm(h_MR, up_NR.t()) if bias_N is None else torch.addmm(bias_N, h_MR, up_NR.t())
-    return out.addmm_(x_MK, w_NK.t())
-
-
-@lora_addmm.register_fake
-def _(x_MK, w_NK, h_MR, up_NR, bias_N):
-    return x_MK.new_empty(x_MK.shape[0], w_NK.shape[0])
-
-
-def _lora_addmm_setup(ctx, inputs, output):
-    x_MK, w_NK, h_MR, up_NR, _ = inputs
-    ctx.save_for_backward(x_MK if w_NK.requires_grad else None, w_NK, h_MR, up_NR)
-
-
-def _lora_addmm_backward(ctx, g_MN):
-    x_MK, w_NK, h_MR, up_NR = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    return (g_MN @ w_NK if need[0] else None, g_MN.t() @ x_MK if need[1] else None,
-            g_MN @ up_NR if need[2] else None, g_MN.t() @ h_MR if need[3] else None,
-            g_MN.sum(0) if need[4] else None)
-
-
-lora_addmm.register_autograd(_lora_addmm_backward, setup_context=_lora_addmm_setup)
-
-
 class LoRALinear(torch.nn.Module):
     """base(x) + (alpha / r) * B A x on a frozen base linear; returns what the base returns.
 
-    Mirrors peft's ``lora.Linear`` (no dropout).  See the module docstring for the TP layout and the epilogue.
+    Mirrors peft's ``lora.Linear`` (no dropout).  See the module docstring for the TP layout.
     """
 
     def __init__(self, base: torch.nn.Module, target: LoRATarget, rank: int, alpha: float, head_dim: int,
@@ -190,8 +150,6 @@ class LoRALinear(torch.nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        if self.enabled and not args and not kwargs and self._epilogue_path():
-            return self._epilogue_forward(x)
         out = self.base(x, *args, **kwargs)
         if not self.enabled:
             return out
@@ -199,31 +157,6 @@ class LoRALinear(torch.nn.Module):
             return out + self._low_rank(x)
         y, bias = out
         return y + self._low_rank(x), bias
-
-    def _epilogue_path(self) -> bool:
-        """The adapter's output can join the base GEMM's epilogue: a frozen base whose product is this rank's
-        whole output (not gathered, and not a partial sum over TP: there the adapter term must be added once,
-        after the all-reduce, for B and dh to get the same gradient on every rank)."""
-        if self.base.weight.requires_grad or (self.base.bias is not None and self.base.bias.requires_grad):
-            return False
-        if self.kind == COLUMN:
-            return not self.base.gather_output
-        return self.kind == REPLICATED or self.tp_size == 1
-
-    def _epilogue_forward(self, x: torch.Tensor):
-        """What the plain forward returns, with (alpha / r) B A x and the bias added in the base GEMM's epilogue
-        (``lora_addmm``); the trainer and the rollout engine both run it, so they round alike."""
-        base = self.base
-        x_MK = x.reshape(-1, x.shape[-1])
-        p, r = self.lora_A.shape[:2]
-        h_MR = F.linear(x_MK, self.lora_A.reshape(p * r, -1))
-        if self.kind == COLUMN:  # backward: sum the partial dh, and the base's partial dx, over TP (as megatron)
-            h_MR = copy_to_tensor_model_parallel_region(h_MR, group=self.tp_group)
-            x_MK = copy_to_tensor_model_parallel_region(x_MK, group=self.tp_group)
-        skip_bias = self.kind != REPLICATED and base.skip_bias_add
-        y_MN = lora_addmm(x_MK, base.weight, h_MR, self._up_weight(), None if skip_bias else base.bias)
-        y = y_MN.view(*x.shape[:-1], y_MN.shape[-1])
-        return y if self.kind == REPLICATED else (y, base.bias if skip_bias else None)
 
     def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
         """(alpha / r) * B A x with this rank's slice of the base's output layout."""

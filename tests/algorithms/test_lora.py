@@ -8,8 +8,8 @@ from checkpoints_convert.mapping import to_hf
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.parallel.testing import run_distributed
 from model_specs.common.lora import (
-    FLOW_GRPO_TARGETS, LoRALinear, LoRATarget, apply_lora, disable_adapters, load_peft_state_dict, lora_modules,
-    merge_lora, merged_state, peft_state_dict, resolve_targets,
+    FLOW_GRPO_TARGETS, apply_lora, disable_adapters, load_peft_state_dict, lora_modules, merge_lora, merged_state,
+    peft_state_dict, resolve_targets,
 )
 from tests.qwen_image_reference import (
     diffusers_reference, make_inputs, megatron_from_reference, reference_forward, rel_err, tiny_config,
@@ -218,46 +218,3 @@ def test_zero_B_init_and_checkpoint_keys(single_rank):
     assert keys_before <= keys_after  # base weights keep their checkpoint keys
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         apply_lora(model, RANK, ALPHA, ["to_q"], qwen_image_rules(arch))
-
-
-@pytest.mark.parametrize("kind", ["column_skip_bias", "row", "replicated", "column_gathered", "trainable_base"])
-def test_epilogue_forward_equals_the_separate_add(single_rank, kind):
-    """The adapter's output added in the base GEMM's epilogue (``lora_addmm``, with its own backward) gives the
-    separate add's output and gradients, bias handling included; a gathered output or a trainable base keeps
-    the separate add."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    from megatron_omni.parallel.linears import RowParallelLinear
-
-    cfg = tiny_config(num_layers=1).transformer_config(1, params_dtype=torch.float32)
-    torch.manual_seed(0)
-    kw = dict(config=cfg, init_method=cfg.init_method, bias=True, tp_group=single_rank.tp_group)
-    if kind == "replicated":
-        base = torch.nn.Linear(24, 40)
-    elif kind == "row":
-        base = RowParallelLinear(24, 40, input_is_parallel=True, skip_bias_add=False, **kw)
-    else:
-        base = ColumnParallelLinear(24, 40, gather_output=kind == "column_gathered",
-                                    skip_bias_add=kind == "column_skip_bias", **kw)
-    lora = LoRALinear(base, LoRATarget("lin", ("lin",), (0,), 1), rank=4, alpha=8.0, head_dim=8)
-    torch.nn.init.normal_(lora.lora_B, std=0.1)
-    base.requires_grad_(kind == "trainable_base")
-    assert lora._epilogue_path() == (kind not in ("column_gathered", "trainable_base"))
-    x = torch.randn(5, 3, 24, requires_grad=True)
-
-    def run(epilogue: bool):
-        lora._epilogue_path = lambda: epilogue  # (instance attribute: the class's choice bypassed for the check)
-        out = lora(x)
-        y = out if kind == "replicated" else out[0]
-        params = [p for p in (x, lora.lora_A, lora.lora_B) + tuple(base.parameters()) if p.requires_grad]
-        return out, torch.autograd.grad((y * torch.linspace(-1, 1, y.shape[-1])).sum(), params)
-
-    (separate, g_separate), (epilogue, g_epilogue) = run(False), run(True)
-    del lora._epilogue_path
-    if kind == "replicated":
-        torch.testing.assert_close(epilogue, separate, rtol=1e-5, atol=1e-6)
-    else:  # (output, bias): the bias comes back unadded when the base skips adding it
-        torch.testing.assert_close(epilogue[0], separate[0], rtol=1e-5, atol=1e-6)
-        assert (epilogue[1] is base.bias) == (separate[1] is base.bias) == (kind == "column_skip_bias")
-    for a, b in zip(g_epilogue, g_separate, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
