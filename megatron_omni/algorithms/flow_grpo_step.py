@@ -117,6 +117,9 @@ def model_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None, uncon
         raise ValueError("model_inputs: uncond rows asked for a micro-batch without uncond_txt")
     if not uncond_rows:
         img, txt, sigma, mask = mb.x_t, mb.txt, mb.t, mb.txt_mask
+    elif mb.txt_mask is None and mb.uncond_mask is None and mb.txt.shape[1] == mb.uncond_txt.shape[1]:
+        img, txt, sigma, mask = (torch.cat([mb.x_t, mb.x_t]), torch.cat([mb.txt, mb.uncond_txt]),
+                                 torch.cat([mb.t, mb.t]), None)  # nothing padded: no mask, as in the rollout
     else:
         length = max(mb.txt.shape[1], mb.uncond_txt.shape[1])
         txt_c, mask_c = _pad_text(mb.txt, mb.txt_mask, length)

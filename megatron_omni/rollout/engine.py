@@ -24,6 +24,7 @@ import torch
 
 from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_shard
 from checkpoints_convert.qwen_image import qwen_image_rules
+from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
 from model_specs.common.fusion import fuse_inference, refresh_fused
@@ -314,23 +315,20 @@ class EmbeddedEngine:
             raise ValueError(f"encode_prompts gave emb {tuple(emb_NTE.shape)}, mask {tuple(mask_NT.shape)} for "
                              f"{len(texts)} prompts; expected [{len(texts)}, T, {e}] and [{len(texts)}, T]")
         for text, emb_TE, mask_T in zip(texts, emb_NTE, mask_NT):
-            self._prompt_cache[text] = _real_tokens(emb_TE, mask_T, text)
+            self._prompt_cache[text] = real_tokens(emb_TE, mask_T, text)
 
     def _prepared(self, r: Request) -> _Prepared:
-        parts = [_real_tokens(r.prompt_emb, r.prompt_mask, r.prompt) if r.prompt_emb is not None
+        parts = [real_tokens(r.prompt_emb, r.prompt_mask, r.prompt) if r.prompt_emb is not None
                  else self._prompt_cache[r.prompt]]
         if r.cfg:
-            parts.append(_real_tokens(r.negative_prompt_emb, r.negative_prompt_mask, r.negative_prompt)
+            parts.append(real_tokens(r.negative_prompt_emb, r.negative_prompt_mask, r.negative_prompt)
                          if r.negative_prompt_emb is not None else self._prompt_cache[r.negative_prompt])
-        m = self.config.text_pad_multiple
-        length = -(-max(p.shape[0] for p in parts) // m) * m
-        txt = torch.stack([torch.cat([p, p.new_zeros(length - p.shape[0], p.shape[1])]) for p in parts])
-        mask = torch.stack([torch.arange(length) < p.shape[0] for p in parts])
-        padded = not bool(mask.all())
+        length = padded_length([p.shape[0] for p in parts], self.config.text_pad_multiple)
+        txt, mask = pad_rows(parts, length)
         cfg = (r.guidance_scale, r.cfg_rescale) if r.cfg else None
         key = (tuple(r.img_fhw), r.num_steps, float(r.shift), r.sampler, float(r.noise_level), cfg,
-               r.log_prob_form, length, padded)
-        return _Prepared(r, key, txt.to(self._device), mask.to(self._device) if padded else None)
+               r.log_prob_form, length, mask is not None)
+        return _Prepared(r, key, txt.to(self._device), None if mask is None else mask.to(self._device))
 
     # ---- one batch -------------------------------------------------------------------------------
     def _run(self, items: list[_Prepared]) -> list[Trajectory]:
@@ -448,17 +446,6 @@ class EmbeddedEngine:
             if self._asleep:
                 self.model.to(self._device)
                 self._asleep = False
-
-
-def _real_tokens(emb_TE: torch.Tensor, mask_T: torch.Tensor | None, prompt: str) -> torch.Tensor:
-    """The real (unpadded) tokens of one prompt, [T_real, E], like diffusers' Qwen-Image pipeline keeps them."""
-    if mask_T is not None:
-        if tuple(mask_T.shape) != tuple(emb_TE.shape[:1]):
-            raise ValueError(f"prompt {prompt!r}: mask has shape {tuple(mask_T.shape)}; expected [{emb_TE.shape[0]}]")
-        emb_TE = emb_TE[mask_T.to(torch.bool)]
-    if emb_TE.shape[0] == 0:
-        raise ValueError(f"prompt {prompt!r} has no real token (its mask is all False)")
-    return emb_TE.detach().clone()
 
 
 def _uncond_recorder(items: list[_Prepared], trained_BN: torch.Tensor,

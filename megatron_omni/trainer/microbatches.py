@@ -2,7 +2,9 @@
 
 Pairs are taken in (sample, step) order and cut into micro-batches of ``size`` pairs; a micro-batch
 carries exactly what the rollout saw for each pair (x_t, x_t', t, t', the rollout's log-prob, the
-prompt's text embedding with its mask, and the negative prompt's when the rollout used true CFG).
+prompt's text embedding and the negative prompt's when the rollout used true CFG).  Text is laid out as the
+rollout engine lays it out (``megatron_omni.data.text_layout``): real tokens only, padded per pair to the
+length the engine gave that request, a micro-batch to its longest, and no mask when nothing is padded.
 
 ``reuse_uncond``: the micro-batches also carry the rollout's uncond output of each pair
 (``Trajectory.uncond_velocity``), so the training forward skips its uncond rows.  Valid only while the
@@ -15,7 +17,8 @@ import torch
 from dataclasses import replace
 
 from megatron_omni.algorithms import FlowGRPOMicroBatch
-from megatron_omni.rollout.engine import Trajectory
+from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
+from megatron_omni.rollout.engine import EngineConfig, Trajectory
 
 TextTable = dict[str, tuple[torch.Tensor, torch.Tensor]]  # prompt -> (emb [T, E], mask [T])
 
@@ -41,8 +44,28 @@ def without_reused_uncond(mbs: list[FlowGRPOMicroBatch]) -> list[FlowGRPOMicroBa
     return [replace(mb, uncond_velocity=None) for mb in mbs]
 
 
+def _text_rows(rows: list[Trajectory], text: TextTable, cfg: bool, multiple: int, device):
+    """The micro-batch's cond text and mask, and with ``cfg`` the negative prompt's, in the engine's layout."""
+    real = {}  # prompt -> its real tokens (once per prompt: the boolean indexing reads the mask on the host)
+
+    def tokens(prompt: str) -> torch.Tensor:
+        if prompt not in real:
+            real[prompt] = real_tokens(*text[prompt], prompt)
+        return real[prompt]
+
+    cond = [tokens(t.request.prompt) for t in rows]
+    uncond = [tokens(t.request.negative_prompt) for t in rows] if cfg else []
+    length = max(padded_length([c.shape[0]] + ([u.shape[0]] if cfg else []), multiple)
+                 for c, u in zip(cond, uncond or cond))
+    out = [pad_rows(cond, length)] + ([pad_rows(uncond, length)] if cfg else [])
+    if any(mask is not None for _, mask in out):  # the engine masks every row of a request with padding
+        out = [(txt, torch.ones(txt.shape[:2], dtype=torch.bool) if mask is None else mask) for txt, mask in out]
+    return [(txt.to(device), None if mask is None else mask.to(device)) for txt, mask in out]
+
+
 def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text: TextTable,
-                      size: int, reuse_uncond: bool = False) -> list[FlowGRPOMicroBatch]:
+                      size: int, reuse_uncond: bool = False,
+                      text_pad_multiple: int = EngineConfig.text_pad_multiple) -> list[FlowGRPOMicroBatch]:
     req = trajs[0].request
     if any((t.request.img_fhw, t.request.noise_level, t.request.guidance_scale) !=
            (req.img_fhw, req.noise_level, req.guidance_scale) for t in trajs):
@@ -56,17 +79,17 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
         chunk = pairs[k:k + size]
         rows = [trajs[i] for i, _ in chunk]
         steps = torch.tensor([j for _, j in chunk])
-        emb, mask = zip(*(text[t.request.prompt] for t in rows))
+        (txt, mask), *negative = _text_rows(rows, text, req.cfg, text_pad_multiple, device)
         uncond = {}
         if req.cfg:
-            u_emb, u_mask = zip(*(text[t.request.negative_prompt] for t in rows))
-            uncond = dict(uncond_txt=torch.stack(u_emb).to(device), uncond_mask=torch.stack(u_mask).to(device),
-                          guidance_scale=req.guidance_scale, cfg_rescale=req.cfg_rescale)
+            (u_txt, u_mask), = negative
+            uncond = dict(uncond_txt=u_txt, uncond_mask=u_mask, guidance_scale=req.guidance_scale,
+                          cfg_rescale=req.cfg_rescale)
             if reuse_uncond:
                 uncond["uncond_velocity"] = _reused_uncond(trajs, chunk).to(device)
         out.append(FlowGRPOMicroBatch(
             x_t=torch.stack([t.latents[j] for t, j in zip(rows, steps)]),
-            txt=torch.stack(emb).to(device), txt_mask=torch.stack(mask).to(device), img_fhw=req.img_fhw,
+            txt=txt, txt_mask=mask, img_fhw=req.img_fhw,
             x_next=torch.stack([t.latents[j + 1] for t, j in zip(rows, steps)]),
             t=torch.stack([t.sigmas[j] for t, j in zip(rows, steps)]).to(device),
             t_next=torch.stack([t.sigmas[j + 1] for t, j in zip(rows, steps)]).to(device),

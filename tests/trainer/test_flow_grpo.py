@@ -125,3 +125,34 @@ def test_microbatches_take_each_pairs_own_kept_uncond_output():
     trajs[1].uncond_velocity = None
     with pytest.raises(ValueError, match="trajectory 1 has no uncond_velocity"):
         grpo_microbatches(trajs, torch.zeros(2), text, size=3, reuse_uncond=True)
+
+
+def test_microbatch_text_is_laid_out_as_the_engine_lays_it_out():
+    """Real tokens only, padded to the engine's per-request length (a multiple of its text_pad_multiple), and no
+    mask when nothing is padded (an all-True mask would cost a masked attention kernel the rollout did not run);
+    with padding, every row masked, as the engine masks both rows of a padded request."""
+    import torch
+
+    from megatron_omni.algorithms.flow_grpo_step import model_inputs
+    from megatron_omni.rollout.engine import Request, Trajectory
+    from megatron_omni.trainer.microbatches import grpo_microbatches
+
+    def traj(prompt):
+        req = Request(prompt=prompt, guidance_scale=3.0, img_fhw=(1, 1, 2), num_steps=2)
+        return Trajectory(req, torch.randn(3, 2, 3), torch.linspace(1, 0, 3), torch.zeros(2),
+                          torch.tensor([True, False]))
+
+    def entry(n_real, n_total):  # an encoder's output: padded to n_total, mask True on the first n_real
+        emb = torch.randn(n_total, 4)
+        return emb, torch.arange(n_total) < n_real
+
+    text = {"a": entry(16, 24), "b": entry(16, 16), "": entry(16, 20), "long": entry(20, 24)}
+    (mb,) = grpo_microbatches([traj("a"), traj("b")], torch.zeros(2), text, size=2, text_pad_multiple=16)
+    assert mb.txt.shape == (2, 16, 4) and mb.txt_mask is None and mb.uncond_mask is None
+    assert torch.equal(mb.txt[0], text["a"][0][:16]) and torch.equal(mb.uncond_txt[1], text[""][0][:16])
+    assert model_inputs(mb, uncond_rows=True)[4] is None  # cond + uncond rows, still unmasked
+    (mb,) = grpo_microbatches([traj("long"), traj("a")], torch.zeros(2), text, size=2, text_pad_multiple=16)
+    assert mb.txt.shape == (2, 32, 4) and mb.txt_mask.sum(1).tolist() == [20, 16]
+    assert mb.uncond_mask.sum(1).tolist() == [16, 16]
+    (mb,) = grpo_microbatches([traj("long")], torch.zeros(1), text, size=1, text_pad_multiple=4)
+    assert mb.txt.shape == (1, 20, 4) and mb.txt_mask.all() and mb.uncond_mask.sum().item() == 16

@@ -1,0 +1,38 @@
+"""How a row's text reaches the DiT: its real tokens only, zero-padded to a shared length, masked only if padded.
+
+The rollout engine lays text out this way for every request (cond and negative prompt padded to one length,
+rounded up to a multiple so that batching does not change shapes), and the trainer lays out the rows it
+re-scores the same way: the same sequence length and, where nothing is padded, no attention mask (SDPA may
+then pick its flash kernel; an all-True mask would cost a slower masked kernel and round differently from the
+rollout).  Legend: T tokens, E embedding width, L the shared padded length.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def real_tokens(emb_TE: torch.Tensor, mask_T: torch.Tensor | None, prompt: str) -> torch.Tensor:
+    """The real (unpadded) tokens of one prompt, [T_real, E], like diffusers' Qwen-Image pipeline keeps them."""
+    if mask_T is not None:
+        if tuple(mask_T.shape) != tuple(emb_TE.shape[:1]):
+            raise ValueError(f"prompt {prompt!r}: mask has shape {tuple(mask_T.shape)}; expected [{emb_TE.shape[0]}]")
+        emb_TE = emb_TE[mask_T.to(torch.bool)]
+    if emb_TE.shape[0] == 0:
+        raise ValueError(f"prompt {prompt!r} has no real token (its mask is all False)")
+    return emb_TE.detach().clone()
+
+
+def padded_length(lengths, multiple: int) -> int:
+    """The longest of ``lengths`` rounded up to a multiple of ``multiple``."""
+    return -(-max(lengths) // multiple) * multiple
+
+
+def pad_rows(parts: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([n, L, E] the parts zero-padded to ``length``, [n, L] bool mask True on real tokens or None when no part
+    is padded)."""
+    if any(p.shape[0] > length for p in parts):
+        raise ValueError(f"text of {max(p.shape[0] for p in parts)} tokens does not fit the padded length {length}")
+    txt = torch.stack([torch.cat([p, p.new_zeros(length - p.shape[0], p.shape[1])]) for p in parts])
+    if all(p.shape[0] == length for p in parts):
+        return txt, None
+    return txt, torch.stack([torch.arange(length, device=txt.device) < p.shape[0] for p in parts])
