@@ -9,7 +9,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("script,option", [("rollout_forward.py", "--fusion"), ("lora_projection.py", "--repeats")])
+@pytest.mark.parametrize("script,option", [("rollout_forward.py", "--fusion"), ("lora_projection.py", "--repeats"),
+                                           ("attention_mask.py", "--repeats")])
 def test_help(script, option):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
