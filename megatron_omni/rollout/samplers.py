@@ -23,7 +23,10 @@ _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 def _per_sample(value, x_BX: torch.Tensor) -> torch.Tensor:
     """A float, 0-d or [B] value as a float32 tensor that broadcasts against x_BX ([B, 1, ..., 1] or 0-d)."""
-    t = torch.as_tensor(value, dtype=torch.float32, device=x_BX.device)
+    if isinstance(value, (int, float)):  # a fill on the device: as_tensor would copy from the host and wait
+        t = torch.full((), float(value), dtype=torch.float32, device=x_BX.device)
+    else:
+        t = torch.as_tensor(value, dtype=torch.float32, device=x_BX.device)
     if t.dim() == 0:
         return t
     if t.shape != x_BX.shape[:1]:
