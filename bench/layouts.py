@@ -4,11 +4,14 @@ the world: TP=2, CP=2 (Ulysses), CP=2 (ring), PP=2, DP=2 (on 2 GPUs), all in one
 on rank 0: seconds per step (median), sample-steps per second, peak memory.
 
     torchrun --standalone --nproc-per-node=2 bench/layouts.py [--steps 5] [--micro-batches 4] [--batch 1]
+                                                              [--compile default]
     torchrun --standalone --nproc-per-node=2 bench/layouts.py --smoke      # tiny model, CPU gloo, seconds
 
 A step = forward + backward of ``--micro-batches`` micro-batches through megatron-core's schedule (1F1B
 under PP) + the optimizer step; every rank gets the same random micro-batches (DP ranks then do the work
-of different samples, as in training).  bf16 on GPU, float32 on the CPU.
+of different samples, as in training).  bf16 on GPU, float32 on the CPU.  ``--compile``: the blocks under
+torch.compile as the trainer's ``train.compile`` puts them (in eager TP=2 steps the all-reduces averaged ~27 GB/s,
+a sign of ranks waiting on each other's host: bench/RESULTS.md); the warm-up steps then include compiling.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import megatron_omni  # noqa: F401  (quiet upstream notices)
 from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig
 from megatron_omni.algorithms.flow_grpo_step import FlowGRPOMicroBatch, flow_grpo_forward_step
 from megatron_omni.parallel.state import destroy_parallel, init_parallel
-from megatron_omni.trainer.policy import build_policy, run_microbatches
+from megatron_omni.trainer.policy import build_policy, compile_policy, run_microbatches
 from model_specs.qwen_image.config import QwenImageConfig, tiny_config
 
 # name, tp, cp, ulysses, pp
@@ -61,6 +64,8 @@ def time_layout(args, tp, cp, ulysses, pp):
     arch, fhw, text_len = bench_arch(args.smoke)
     dtype = torch.bfloat16 if state.torch_device.type == "cuda" else torch.float32
     policy = build_policy(arch, state, lr=1e-6, dtype=dtype)
+    if args.compile:
+        compile_policy(policy, args.compile)
     mbs = micro_batches(arch, fhw, text_len, args.micro_batches, args.batch, state.torch_device, dtype)
     step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=1e-4))
     shape = (text_len + fhw[0] * fhw[1] * fhw[2], args.batch)
@@ -106,6 +111,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--compile", metavar="MODE", help="blocks under torch.compile (e.g. default)")
     parser.add_argument("--batch", type=int, default=1, help="samples per micro-batch")
     parser.add_argument("--profile", choices=["TP=2", "PP=2", "DP"], help="print a kernel profile of that layout")
     args = parser.parse_args(argv)
@@ -125,7 +131,8 @@ def main(argv=None) -> None:
         from rich.table import Table
 
         table = Table(title=f"FlowGRPO step, {'tiny smoke model' if args.smoke else '2.5B MMDiT @ 1024^2'}, "
-                            f"{dist.get_world_size()} ranks, {args.micro_batches} micro-batches x {args.batch}")
+                            f"{dist.get_world_size()} ranks, {args.micro_batches} micro-batches x {args.batch}, "
+                            f"{'compiled: ' + args.compile if args.compile else 'eager'}")
         for col in ("layout", "s / step", "sample-steps / s", "peak GiB / rank", "params / rank"):
             table.add_column(col, justify="right")
         for name, sec, rate, peak, params in results:
