@@ -42,10 +42,9 @@ from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, 
 from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, SyncError, push_weights
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches, without_reused_uncond
-from megatron_omni.trainer.mfu import device_peak_flops, lora_forward_flops, step_flops
+from megatron_omni.trainer.mfu import device_peak_flops, forward_flops, lora_forward_flops, step_flops
 from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
-from model_specs.qwen_image.flops import forward_flops
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
 

@@ -55,8 +55,8 @@ def _text_rows(rows: list[Trajectory], text: TextTable, cfg: bool, multiple: int
 
     cond = [tokens(t.request.prompt) for t in rows]
     uncond = [tokens(t.request.negative_prompt) for t in rows] if cfg else []
-    length = max(padded_length([c.shape[0]] + ([u.shape[0]] if cfg else []), multiple)
-                 for c, u in zip(cond, uncond or cond))
+    requests = zip(cond, uncond) if cfg else ((c,) for c in cond)  # each row's texts, as its request had them
+    length = max(padded_length([t.shape[0] for t in texts], multiple) for texts in requests)
     out = [pad_rows(cond, length)] + ([pad_rows(uncond, length)] if cfg else [])
     if any(mask is not None for _, mask in out):  # the engine masks every row of a request with padding
         out = [(txt, torch.ones(txt.shape[:2], dtype=torch.bool) if mask is None else mask) for txt, mask in out]

@@ -9,6 +9,7 @@ LoRA adapters (``lora_forward_flops``): a rank-r adapter on a K -> N linear cost
 """
 from __future__ import annotations
 
+from model_specs.qwen_image.conditioning import TIME_PROJ_DIM
 from model_specs.qwen_image.config import QwenImageConfig
 
 
@@ -21,28 +22,36 @@ def forward_flops(arch: QwenImageConfig, batch: int, image_tokens: int, text_tok
     return float(batch) * (layers * per_block + embed)
 
 
-def _block_linears(arch: QwenImageConfig) -> dict[str, tuple[int, int, str]]:
-    """The block's linears by diffusers name (within ``transformer_blocks.<i>.``): (in, out, stream)."""
+def _linears(arch: QwenImageConfig) -> dict[str, tuple[int, int, str]]:
+    """Every linear of the model by diffusers name: (in features, out features, the tokens it acts on)."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
-    out = {}
+    block = {}
     for stream, prefix, attn in (("image", "img", ("to_q", "to_k", "to_v", "to_out.0")),
                                  ("text", "txt", ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"))):
-        out.update({f"attn.{name}": (h, h, stream) for name in attn})
-        out.update({f"{prefix}_mlp.net.0.proj": (h, f, stream), f"{prefix}_mlp.net.2": (f, h, stream),
-                    f"{prefix}_mod.1": (h, 6 * h, "sample")})
+        block.update({f"attn.{name}": (h, h, stream) for name in attn})
+        block.update({f"{prefix}_mlp.net.0.proj": (h, f, stream), f"{prefix}_mlp.net.2": (f, h, stream),
+                      f"{prefix}_mod.1": (h, 6 * h, "sample")})
+    out = {f"transformer_blocks.{i}.{name}": dims for i in range(arch.num_layers) for name, dims in block.items()}
+    out.update({"img_in": (arch.in_channels, h, "image"), "txt_in": (arch.joint_attention_dim, h, "text"),
+                "time_text_embed.timestep_embedder.linear_1": (TIME_PROJ_DIM, h, "sample"),
+                "time_text_embed.timestep_embedder.linear_2": (h, h, "sample"),
+                "norm_out.linear": (h, 2 * h, "sample"), "proj_out": (h, arch.out_features, "image")})
     return out
 
 
 def lora_forward_flops(arch: QwenImageConfig, rank: int, targets, batch: int, image_tokens: int,
                        text_tokens: int) -> float:
-    """FLOPs of the LoRA adapters in one forward over ``batch`` rows: every block linear that ``targets`` selects
+    """FLOPs of the LoRA adapters in one forward over ``batch`` rows: every linear that ``targets`` selects
     (peft's rule: the name equals a target or ends with ``"." + target``); ValueError for a target that names
-    no block linear (its FLOPs would go uncounted)."""
-    linears = _block_linears(arch)
+    no linear (its FLOPs would go uncounted)."""
+    linears = _linears(arch)
     tokens = {"image": image_tokens, "text": text_tokens, "sample": 1}
-    chosen = {name for name in linears for t in targets if name == t or name.endswith("." + t)}
-    if unknown := [t for t in targets if not any(n == t or n.endswith("." + t) for n in linears)]:
-        raise ValueError(f"LoRA targets {unknown} name no Qwen-Image block linear; expected names among "
-                         f"{sorted(linears)}")
-    per_block = sum(2 * rank * (linears[n][0] + linears[n][1]) * tokens[linears[n][2]] for n in chosen)
-    return float(batch) * arch.num_layers * per_block
+
+    def selects(name: str, target: str) -> bool:
+        return name == target or name.endswith("." + target)
+
+    if unknown := [t for t in targets if not any(selects(n, t) for n in linears)]:
+        raise ValueError(f"LoRA targets {unknown} name no Qwen-Image linear; expected diffusers module names such as "
+                         f"'to_q', 'img_mlp.net.2' or 'proj_out'")
+    chosen = [dims for name, dims in linears.items() if any(selects(name, t) for t in targets)]
+    return float(batch) * sum(2 * rank * (k + n) * tokens[stream] for k, n, stream in chosen)

@@ -42,7 +42,8 @@ def test_reused_uncond_counts_no_uncond_forward():
 
 def test_lora_adapter_flops_qwen_image():
     """2·r·(in + out) per token and adapted linear, on its stream's tokens: the FlowGRPO targets at full size,
-    r 64, 512² + 128 text tokens are ~3.1 % of the forward; unknown targets are refused."""
+    r 64, 512² + 128 text tokens are ~3.1 % of the forward; one block's linear, a model-level one; unknown
+    targets are refused."""
     from model_specs.common.lora import FLOW_GRPO_TARGETS
     from megatron_omni.trainer.mfu import lora_forward_flops
 
@@ -54,9 +55,11 @@ def test_lora_adapter_flops_qwen_image():
     assert lora_forward_flops(arch, r, FLOW_GRPO_TARGETS, 1, 1024, 128) / forward_flops(arch, 1, 1024, 128) \
         == pytest.approx(0.031, abs=0.002)
     assert lora_forward_flops(arch, r, ["to_q"], 3, 1024, 128) == 3 * 60 * 2 * r * 2 * h * 1024
+    assert lora_forward_flops(arch, r, ["transformer_blocks.3.attn.to_q"], 1, 1024, 128) == 2 * r * 2 * h * 1024
+    assert lora_forward_flops(arch, r, ["proj_out"], 2, 1024, 128) == 2 * 2 * r * (h + 64) * 1024
     assert lora_forward_flops(arch, 0, FLOW_GRPO_TARGETS, 1, 1024, 128) == 0.0
-    with pytest.raises(ValueError, match=r"LoRA targets \['proj_out'\] name no Qwen-Image block linear"):
-        lora_forward_flops(arch, r, ["to_q", "proj_out"], 1, 1024, 128)
+    with pytest.raises(ValueError, match=r"LoRA targets \['to_z'\] name no Qwen-Image linear"):
+        lora_forward_flops(arch, r, ["to_q", "to_z"], 1, 1024, 128)
 
 
 def test_adapter_flops_per_phase():
