@@ -3,8 +3,8 @@
 The rollout engine lays text out this way for every request (cond and negative prompt padded to one length,
 rounded up to a multiple so that batching does not change shapes), and the trainer lays out the rows it
 re-scores the same way: the same sequence length and, where nothing is padded, no attention mask (SDPA may
-then pick its flash kernel; an all-True mask would cost a slower masked kernel and round differently from the
-rollout).  Legend: T tokens, E embedding width, L the shared padded length.
+then pick its flash kernel; with an all-True mask it runs a masked kernel the rollout did not, which rounds
+differently and may be slower: bench/attention_mask.py measures it).  Legend: T tokens, E embedding width, L the shared padded length.
 """
 from __future__ import annotations
 
