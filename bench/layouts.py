@@ -4,7 +4,7 @@ the world: TP=2, CP=2 (Ulysses), CP=2 (ring), PP=2, DP=2 (on 2 GPUs), all in one
 on rank 0: seconds per step (median), sample-steps per second, peak memory.
 
     torchrun --standalone --nproc-per-node=2 bench/layouts.py [--steps 5] [--micro-batches 4] [--batch 1]
-                                                              [--compile default]
+                              [--compile default] [--only "CP=2 Ulysses" DP=2] [--profile "CP=2 Ulysses"]
     torchrun --standalone --nproc-per-node=2 bench/layouts.py --smoke      # tiny model, CPU gloo, seconds
 
 A step = forward + backward of ``--micro-batches`` micro-batches through megatron-core's schedule (1F1B
@@ -59,7 +59,7 @@ def micro_batches(arch, fhw, text_len, count, batch, device, dtype):
             for _ in range(count)]
 
 
-def time_layout(args, tp, cp, ulysses, pp):
+def time_layout(args, name, tp, cp, ulysses, pp):
     state = init_parallel(tp=tp, cp=cp, pp=pp, ulysses=ulysses, seed=0)
     arch, fhw, text_len = bench_arch(args.smoke)
     dtype = torch.bfloat16 if state.torch_device.type == "cuda" else torch.float32
@@ -80,9 +80,8 @@ def time_layout(args, tp, cp, ulysses, pp):
             torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    if args.profile and args.profile in (f"TP={tp}" if tp > 1 else "", f"PP={pp}" if pp > 1 else "",
-                                         "DP" if tp * cp * pp == 1 else ""):
-        _profile(partial(run_microbatches, policy, step, mbs, boundary_shape=shape), args.profile)
+    if args.profile == name:
+        _profile(partial(run_microbatches, policy, step, mbs, boundary_shape=shape), name)
     peak = torch.cuda.max_memory_allocated() / 2**30 if state.torch_device.type == "cuda" else float("nan")
     params = sum(p.numel() for m in policy.modules for p in m.parameters())
     row = torch.tensor([statistics.median(times), peak, float(params)], dtype=torch.float64)
@@ -93,16 +92,18 @@ def time_layout(args, tp, cp, ulysses, pp):
     return state.dp, rows
 
 
-def _profile(fn, name: str, rows: int = 18) -> None:
-    """One more step under torch.profiler; rank 0 prints the kernels that took the most GPU time."""
-    from torch.profiler import ProfilerActivity, profile
+def _profile(fn, name: str) -> None:
+    """One more step under torch.profiler (kernels by kind, heaviest kernels, host ops), then one under CUDA's
+    sync-debug mode (where the host waited for the GPU); every rank runs them (collectives), rank 0 prints."""
+    import contextlib
+    import io
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    if dist.get_rank() == 0:
-        print(f"--- profile of one step, {name} (rank 0) ---")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+    from _profile import profile_kernels, sync_points
+
+    quiet = contextlib.redirect_stdout(io.StringIO()) if dist.get_rank() else contextlib.nullcontext()
+    with quiet:
+        profile_kernels(fn, f"one step, {name} (rank 0)", top=16, host=True)
+        sync_points(fn)
 
 
 def main(argv=None) -> None:
@@ -113,16 +114,19 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--compile", metavar="MODE", help="blocks under torch.compile (e.g. default)")
     parser.add_argument("--batch", type=int, default=1, help="samples per micro-batch")
-    parser.add_argument("--profile", choices=["TP=2", "PP=2", "DP"], help="print a kernel profile of that layout")
+    names = [layout[0] for layout in LAYOUTS]
+    parser.add_argument("--only", nargs="+", choices=names, metavar="LAYOUT", help=f"run these layouts only: {names}")
+    parser.add_argument("--profile", choices=names, metavar="LAYOUT",
+                        help="profile one more step of that layout: kernels by kind, host ops, host waits")
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     results = []
     for name, tp, cp, ulysses, pp in LAYOUTS:
         world = dist.get_world_size() if dist.is_initialized() else None
-        if world is not None and world % (tp * cp * pp):
+        if (world is not None and world % (tp * cp * pp)) or (args.only and name not in args.only):
             continue
-        dp, rows = time_layout(args, tp, cp, ulysses, pp)
+        dp, rows = time_layout(args, name, tp, cp, ulysses, pp)
         slowest = max(float(r[0]) for r in rows)  # a step ends when the slowest rank ends
         samples = args.micro_batches * args.batch * dp
         results.append((name, slowest, samples / slowest, max(float(r[1]) for r in rows), float(rows[0][2])))
