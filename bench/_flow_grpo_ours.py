@@ -114,16 +114,27 @@ def _requests(recipe: Recipe, prompts: list[str], emb_PTE: torch.Tensor, neg_TE:
             for k, p in enumerate(prompts) for i in range(recipe.group)]
 
 
+def step_prompts(ours: Ours, step: int) -> list[str]:
+    """This rank's prompts of RL step ``step``."""
+    rank = ours.policy.state.dp_rank
+    return [f'a sign that reads "step {step} prompt {k} rank {rank}"' for k in range(ours.recipe.prompts)]
+
+
+def rollout(ours: Ours, prompts: list[str], emb_NTE: torch.Tensor, step: int) -> list:
+    """The step's trajectories: ``emb_NTE`` holds the prompts' embeddings, then the negative prompt's."""
+    reqs = _requests(ours.recipe, prompts, emb_NTE[:-1], emb_NTE[-1], step, ours.policy.state.dp_rank)
+    return ours.engine.generate(reqs)
+
+
 def ours_step(ours: Ours, e2e: EndToEnd, step: int) -> tuple[dict[str, float], dict[str, float]]:
     """One RL step; (seconds per phase, train metrics).  Under data parallelism (torchrun) every rank runs
     its own prompts and seeds; the optimizer step averages the gradients over the ranks (megatron DDP)."""
     recipe, timer = ours.recipe, PhaseTimer(ours.recipe.device)
-    rank = ours.policy.state.dp_rank
-    prompts = [f'a sign that reads "step {step} prompt {k} rank {rank}"' for k in range(recipe.prompts)]
+    prompts = step_prompts(ours, step)
     with timer("text"):
         emb_NTE = e2e.text.encode(prompts + [NEGATIVE])
     with timer("rollout"):
-        trajs = ours.engine.generate(_requests(recipe, prompts, emb_NTE[:-1], emb_NTE[-1], step, rank))
+        trajs = rollout(ours, prompts, emb_NTE, step)
     with timer("decode"):
         images = e2e.decode(torch.stack([t.final_sample for t in trajs]))
     with timer("reward"):

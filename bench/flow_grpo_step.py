@@ -63,6 +63,20 @@ def _timed_steps(step_fn, steps: int, result: LoopResult, phases: tuple[str, ...
     result.seconds = medians(timed)
 
 
+def _profile(ours, e2e, step: int) -> None:
+    """One more step with the host's waits for the device listed, then one more rollout under the profiler
+    (kernels by kind, the GPU's busy fraction of the wall time: what the rollout loop adds to its forwards)."""
+    from _flow_grpo_ours import ours_step, rollout, step_prompts
+    from _flow_grpo_parts import NEGATIVE
+    from _profile import profile_kernels, sync_points
+
+    print("--- ours, one more step: where the host waits for the device ---")
+    sync_points(lambda: ours_step(ours, e2e, step))
+    prompts = step_prompts(ours, step + 1)
+    emb_NTE = e2e.text.encode(prompts + [NEGATIVE])
+    profile_kernels(lambda: rollout(ours, prompts, emb_NTE, step + 1), "ours, one more rollout", top=14, host=True)
+
+
 def run_ours(recipe: Recipe, steps: int, compile_mode: str | None, compile_train: str | None = None,
              profile: bool = False) -> LoopResult:
     from _flow_grpo_ours import build_ours, ours_step
@@ -85,10 +99,7 @@ def run_ours(recipe: Recipe, steps: int, compile_mode: str | None, compile_train
         result.notes += e2e.describe()
         _timed_steps(lambda step: ours_step(ours, e2e, step), steps, result, OURS_PHASES)
         if profile and recipe.device.type == "cuda":
-            from _profile import sync_points
-
-            print("--- ours, one more step: where the host waits for the device ---")
-            sync_points(lambda: ours_step(ours, e2e, steps + 1))
+            _profile(ours, e2e, steps + 1)
     except torch.OutOfMemoryError as e:
         result.error = (f"out of memory ({str(e).splitlines()[0]}); --text-layers N shrinks the text encoder "
                         f"(14 GB at 28 layers)")

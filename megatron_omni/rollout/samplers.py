@@ -154,8 +154,13 @@ def per_request_noise(generators: list[torch.Generator], shape_X: tuple[int, ...
                       device: torch.device | str = "cpu") -> torch.Tensor:
     """z_BX: standard normal from each sample's own (CPU) generator where ``active_B``, zeros elsewhere.
     A generator advances only on its own sample's active steps, so batching never changes a sample."""
-    z = [torch.randn(shape_X, generator=g) if a else torch.zeros(shape_X) for g, a in zip(generators, active_B)]
-    return torch.stack(z).to(device)
+    z = torch.stack([torch.randn(shape_X, generator=g) if a else torch.zeros(shape_X)
+                     for g, a in zip(generators, active_B)])
+    if torch.device(device).type == "cuda":
+        # a copy from pageable memory first waits for every queued kernel (the step's forward): the host then
+        # stalls and the GPU idles while it queues the next; from pinned memory the copy just joins the queue
+        return z.pin_memory().to(device, non_blocking=True)
+    return z.to(device)
 
 
 def rollout(velocity_fn: Callable[[torch.Tensor, int], torch.Tensor], x_BX: torch.Tensor, sigmas_N1: torch.Tensor,
@@ -169,6 +174,7 @@ def rollout(velocity_fn: Callable[[torch.Tensor, int], torch.Tensor], x_BX: torc
     check_kind(kind)
     x_BX = x_BX.float()
     lat, lps = [x_BX], []
+    trained_dev = trained_BN.to(x_BX.device)  # once, before any kernel is queued (see per_request_noise)
     for i in range(sigmas_N1.numel() - 1):
         t, t_next = sigmas_N1[i], sigmas_N1[i + 1]
         v_BX = velocity_fn(x_BX, i).float()
@@ -178,7 +184,7 @@ def rollout(velocity_fn: Callable[[torch.Tensor, int], torch.Tensor], x_BX: torc
         if kind != "ode" and bool(active_B.any()):
             mean_BX, std = step_mean_std(kind, x_BX, v_BX, t, t_next, noise_level, sigmas_N1[1])
             sde_BX = mean_BX + std * noise_fn(i, active_B)
-            on_B = active_B.to(x_BX.device)
+            on_B = trained_dev[:, i]
             lp_B = torch.where(on_B, log_prob(sde_BX, mean_BX, std, log_prob_form), lp_B)
             next_BX = torch.where(on_B.view(-1, *([1] * (x_BX.dim() - 1))), sde_BX, next_BX)
         x_BX = next_BX
