@@ -3,7 +3,7 @@ diffusers' QwenImageTransformer2DModel, same GPU, same run.  Random init, bf16, 
 tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one table.
 
     python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
-                                    [--no-eager] [--no-reference] [--profile] [--fusion fused unfused] [--lora 64]
+                                    [--no-eager] [--no-reference] [--profile] [--fusion fused unfused qkv-sum] [--lora 64]
 
 ``--fusion``: ours with the rollout engine's inference fusions (model_specs.common.fusion: fc1 bias + GELU-tanh in
 the GEMM epilogue, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)
@@ -57,6 +57,13 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
         from model_specs.common.fusion import fuse_inference
 
         fuse_inference(model, strict=True)
+    if fused == "qkv-sum":  # the QKV's bias and LoRA output added by their own pass (the path before 2026-12-01)
+        import model_specs.qwen_image.layers as layers
+        from model_specs.common.fusion import column_parts
+        from model_specs.common.lora import LoRALinear
+
+        layers.column_parts = lambda linear, x: ((linear(x)[0], None, None) if isinstance(linear, LoRALinear)
+                                                 else column_parts(linear, x))
     out = {}
     if compile_mode:
         from megatron_omni.compile import compile_blocks
@@ -80,6 +87,8 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
                 print(graph_breaks(), flush=True)
     del model
     destroy_parallel()
+    if fused == "qkv-sum":
+        layers.column_parts = column_parts
     return out
 
 
@@ -115,8 +124,9 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
     p.add_argument("--no-eager", action="store_true", help="time ours only under the --compile modes")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
-    p.add_argument("--fusion", nargs="+", choices=("fused", "unfused"), default=["fused"],
-                   help="ours with the engine's inference fusions, and / or without")
+    p.add_argument("--fusion", nargs="+", choices=("fused", "unfused", "qkv-sum"), default=["fused"],
+                   help="ours with the engine's inference fusions, and / or without; qkv-sum: fused, but a LoRA'd "
+                        "QKV's bias and adapter output summed by their own pass, not in the q / k norm kernel")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on the FlowGRPO targets (0 = none)")
     args = p.parse_args()
     arch = QwenImageConfig(num_layers=args.layers)
@@ -128,7 +138,8 @@ def main() -> None:
             torch.cuda.empty_cache()
             name = f"ours {mode or 'eager'}{lora} {fusion}"
             print(f"--- {name}", flush=True)
-            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile, fusion == "fused", args.lora)
+            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile,
+                                 {"fused": True, "unfused": False}.get(fusion, fusion), args.lora)
     gc.collect()
     torch.cuda.empty_cache()
     if not args.no_reference:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
+from model_specs.common.lora import COLUMN, LoRALinear
+
 
 def local_column(linear: torch.nn.Module) -> bool:
     """A local (megatron-core) column-parallel linear whose product is this rank's x W^T + b: it has a bias,
@@ -25,12 +27,23 @@ def plain_column(linear: torch.nn.Module) -> bool:
     return local_column(linear) and not linear.skip_bias_add
 
 
-def column_forward(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``'s output; for a ``plain_column`` one addmm (megatron's local linear adds its bias in a
-    separate pass over the output, which torch.compile fuses only into a pointwise consumer)."""
+def column_parts(linear: torch.nn.Module, x: torch.Tensor):
+    """``linear(x)``'s output for a consumer that adds the bias and a LoRA adapter's output itself, as
+    (product [.., O], bias [O] or None, LoRA output [.., O] or None); their sum is ``linear(x)[0]``.
+
+    - a ``plain_column``: one addmm (megatron's local linear adds its bias in a separate pass over the output,
+      which torch.compile fuses only into a pointwise consumer), nothing left to add;
+    - a ``LoRALinear`` (enabled, column-parallel) on a ``plain_column``: x W^T, the bias and the adapter's output
+      apart, so that the consumer reads them once instead of a pass writing their sum first;
+    - anything else: its own forward.
+    """
+    if isinstance(linear, LoRALinear) and linear.enabled and linear.kind == COLUMN and plain_column(linear.base):
+        product = torch.mm(x.reshape(-1, x.shape[-1]), linear.base.weight.t()).view(*x.shape[:-1], -1)
+        return product, linear.base.bias, linear.low_rank(x)
     if plain_column(linear):
-        return torch.addmm(linear.bias, x.reshape(-1, x.shape[-1]), linear.weight.t()).view(*x.shape[:-1], -1)
-    return linear(x)[0]
+        product = torch.addmm(linear.bias, x.reshape(-1, x.shape[-1]), linear.weight.t())
+        return product.view(*x.shape[:-1], -1), None, None
+    return linear(x)[0], None, None
 
 
 def _members(model: torch.nn.Module):

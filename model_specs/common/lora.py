@@ -154,11 +154,11 @@ class LoRALinear(torch.nn.Module):
         if not self.enabled:
             return out
         if self.kind == REPLICATED:
-            return out + self._low_rank(x)
+            return out + self.low_rank(x)
         y, bias = out
-        return y + self._low_rank(x), bias
+        return y + self.low_rank(x), bias
 
-    def _low_rank(self, x: torch.Tensor) -> torch.Tensor:
+    def low_rank(self, x: torch.Tensor) -> torch.Tensor:
         """(alpha / r) * B A x with this rank's slice of the base's output layout."""
         group = self.tp_group
         if self.kind == ROW and not self.base.input_is_parallel:

@@ -11,7 +11,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from model_specs.common.fusion import column_forward
+from model_specs.common.fusion import column_parts
 from model_specs.qwen_image.conditioning import QwenImageConditioning, apply_rope
 from model_specs.qwen_image.qk_norm_rope import joint_qk_norm_rope
 from model_specs.qwen_image.spec import JointAttentionSubmodules, QwenImageBlockSubmodules
@@ -67,9 +67,10 @@ class JointAttention(MegatronModule):
         """Nothing derived from the weights: the kernel reads the norms' weights as they are."""
 
     def _fused_qkv(self, img_SBH, txt_SBH, cond: QwenImageConditioning):
-        qkv_i, qkv_t = column_forward(self.linear_qkv, img_SBH), column_forward(self.linear_added_qkv, txt_SBH)
-        streams = ((qkv_t, self.added_q_layernorm.weight, self.added_k_layernorm.weight, cond.txt_freqs),
-                   (qkv_i, self.q_layernorm.weight, self.k_layernorm.weight, cond.img_freqs))
+        qkv_i, bias_i, lora_i = column_parts(self.linear_qkv, img_SBH)
+        qkv_t, bias_t, lora_t = column_parts(self.linear_added_qkv, txt_SBH)
+        streams = ((qkv_t, self.added_q_layernorm.weight, self.added_k_layernorm.weight, cond.txt_freqs, bias_t,
+                    lora_t), (qkv_i, self.q_layernorm.weight, self.k_layernorm.weight, cond.img_freqs, bias_i, lora_i))
         q, k, v = joint_qk_norm_rope(*streams, heads=self.local_heads, eps=self.q_layernorm.eps)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 

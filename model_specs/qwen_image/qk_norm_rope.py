@@ -30,10 +30,25 @@ except ImportError:  # CPU-only installs: the torch path below
     triton = None
 
 
+def _summed(qkv, bias, lora):
+    """qkv + bias + lora in float32, rounded once to qkv's dtype (what torch.compile's fused add of megatron's
+    bias and the LoRA output computed); qkv itself when both are None."""
+    if bias is None and lora is None:
+        return qkv
+    out = qkv.float()
+    if bias is not None:
+        out = out + bias.float()
+    if lora is not None:
+        out = out + lora.float()
+    return out.to(qkv.dtype)
+
+
 def _reference(streams, heads: int, eps: float):
-    """Torch ops: the unfused model's math.  ``streams``: (qkv [S, B, N*3D], q_weight, k_weight, freqs)."""
+    """Torch ops: the unfused model's math.  ``streams``: (qkv [S, B, N*3D], q_weight, k_weight, freqs[, bias,
+    lora])."""
     qs, ks, vs = [], [], []
-    for qkv, wq, wk, freqs in streams:
+    for qkv, wq, wk, freqs, *added in streams:
+        qkv = _summed(qkv, *(added or (None, None)))
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, heads, -1).split(qkv.shape[-1] // (3 * heads), dim=-1)
         d = q.shape[-1]
@@ -56,8 +71,22 @@ if triton is not None:
         return tl.reshape(out, (x.shape[0], D)).to(x.dtype)
 
     @triton.jit
-    def _qk_norm_rope_kernel(qkv, stride_s, stride_b, wq, wk, freqs, q_out, k_out, v_out, s_offset, s_total,
-                             B, N, eps, D: tl.constexpr, HB: tl.constexpr):
+    def _load_summed(at, bias_at, lora_at, m, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
+        """qkv (+ bias) (+ lora) in float32, rounded once to qkv's dtype, as ``_summed``."""
+        x = tl.load(at, mask=m)
+        if HAS_BIAS or HAS_LORA:
+            xf = x.to(tl.float32)
+            if HAS_BIAS:
+                xf = xf + tl.load(bias_at, mask=m).to(tl.float32)
+            if HAS_LORA:
+                xf = xf + tl.load(lora_at, mask=m).to(tl.float32)
+            x = xf.to(x.dtype)
+        return x
+
+    @triton.jit
+    def _qk_norm_rope_kernel(qkv, stride_s, stride_b, bias, lora, lstride_s, lstride_b, wq, wk, freqs, q_out, k_out,
+                             v_out, s_offset, s_total, B, N, eps, D: tl.constexpr, HB: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
         row = tl.program_id(0)  # one (token, sample) row of the stream: all its heads
         s, b = row // B, row % B
         HALF: tl.constexpr = D // 2
@@ -67,35 +96,51 @@ if triton is not None:
         wq_e, wq_o = tl.load(wq + 2 * pair).to(tl.float32), tl.load(wq + 2 * pair + 1).to(tl.float32)
         wk_e, wk_o = tl.load(wk + 2 * pair).to(tl.float32), tl.load(wk + 2 * pair + 1).to(tl.float32)
         src = qkv + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b
+        lsrc = lora + s.to(tl.int64) * lstride_s + b.to(tl.int64) * lstride_b
         dst = (b.to(tl.int64) * s_total + s_offset + s) * N * D
         for h0 in range(0, N, HB):
             h = h0 + hs
             m = (h < N)[:, None]
-            at = src + h[:, None] * (3 * D) + col[None, :]
+            part = h[:, None] * (3 * D) + col[None, :]  # q of these heads; k at + D, v at + 2 D
+            at, bias_at, lora_at = src + part, bias + part, lsrc + part
             out = dst + h[:, None] * D + col[None, :]
-            tl.store(q_out + out, _norm_rope(tl.load(at, mask=m), wq_e, wq_o, cos, sin, eps, D, HALF), mask=m)
-            tl.store(k_out + out, _norm_rope(tl.load(at + D, mask=m), wk_e, wk_o, cos, sin, eps, D, HALF), mask=m)
-            tl.store(v_out + out, tl.load(at + 2 * D, mask=m), mask=m)
+            q = _load_summed(at, bias_at, lora_at, m, HAS_BIAS, HAS_LORA)
+            k = _load_summed(at + D, bias_at + D, lora_at + D, m, HAS_BIAS, HAS_LORA)
+            tl.store(q_out + out, _norm_rope(q, wq_e, wq_o, cos, sin, eps, D, HALF), mask=m)
+            tl.store(k_out + out, _norm_rope(k, wk_e, wk_o, cos, sin, eps, D, HALF), mask=m)
+            tl.store(v_out + out, _load_summed(at + 2 * D, bias_at + 2 * D, lora_at + 2 * D, m, HAS_BIAS, HAS_LORA),
+                     mask=m)
 
 
 @torch.library.custom_op("megatron_omni::joint_qk_norm_rope", mutates_args=())
 def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor, wk_txt: torch.Tensor,
               wq_img: torch.Tensor, wk_img: torch.Tensor, freqs_txt: torch.Tensor, freqs_img: torch.Tensor,
-              heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    streams = ((qkv_txt, wq_txt, wk_txt, freqs_txt), (qkv_img, wq_img, wk_img, freqs_img))
+              heads: int, eps: float, bias_txt: torch.Tensor | None = None, bias_img: torch.Tensor | None = None,
+              lora_txt: torch.Tensor | None = None, lora_img: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    streams = ((qkv_txt, wq_txt, wk_txt, freqs_txt, bias_txt, lora_txt),
+               (qkv_img, wq_img, wk_img, freqs_img, bias_img, lora_img))
     d = qkv_img.shape[-1] // (3 * heads)
     if triton is None or not qkv_img.is_cuda or d & (d - 1):  # (the kernel tiles a head: a power-of-2 dim)
         return _reference(streams, heads, eps)
     q, k, v = _empty_outputs(qkv_txt, qkv_img, heads)
     s_total = q.shape[1]
     offset = 0
-    for qkv, wq, wk, freqs in streams:
+    for qkv, wq, wk, freqs, bias, lora in streams:
         s, b = qkv.shape[:2]
-        if qkv.stride(2) != 1:
-            raise ValueError(f"joint_qk_norm_rope: QKV of shape {tuple(qkv.shape)} must be contiguous in its last dim")
+        for name, t in (("QKV", qkv), ("LoRA output", lora)):
+            if t is not None and (t.stride(2) != 1 or t.shape != qkv.shape):
+                raise ValueError(f"joint_qk_norm_rope: {name} of shape {tuple(t.shape)} must be {tuple(qkv.shape)} "
+                                 f"and contiguous in its last dim")
+        if bias is not None and (bias.shape != qkv.shape[2:] or not bias.is_contiguous()):
+            raise ValueError(f"joint_qk_norm_rope: bias of shape {tuple(bias.shape)}; expected contiguous "
+                             f"{tuple(qkv.shape[2:])}")
         if s * b:  # (a launch over an empty grid is an error)
-            _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), wq, wk, freqs.contiguous(), q, k, v,
-                                           offset, s_total, b, heads, eps, D=d, HB=8)
+            lo = qkv if lora is None else lora  # (an unused pointer when there is no LoRA output)
+            _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
+                                           lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
+                                           offset, s_total, b, heads, eps, D=d, HB=8, HAS_BIAS=bias is not None,
+                                           HAS_LORA=lora is not None)
         offset += s
     return q, k, v
 
@@ -107,13 +152,18 @@ def _empty_outputs(qkv_txt, qkv_img, heads):
 
 
 @_joint_op.register_fake
-def _(qkv_txt, qkv_img, wq_txt, wk_txt, wq_img, wk_img, freqs_txt, freqs_img, heads, eps):
+def _(qkv_txt, qkv_img, wq_txt, wk_txt, wq_img, wk_img, freqs_txt, freqs_img, heads, eps, bias_txt=None,
+      bias_img=None, lora_txt=None, lora_img=None):
     return _empty_outputs(qkv_txt, qkv_img, heads)
 
 
 def joint_qk_norm_rope(txt, img, heads: int, eps: float):
     """q, k, v [B, S_T + S_I, N, D] from two streams, each (qkv [S, B, N*3D], q_norm weight [D],
-    k_norm weight [D], RoPE freqs [S, D/2, 2])."""
+    k_norm weight [D], RoPE freqs [S, D/2, 2][, bias [N*3D] or None, LoRA output [S, B, N*3D] or None]).
+    A stream's bias and LoRA output are added to its qkv here (float32, one rounding) rather than by a separate
+    pass that writes the sum and reads it back (~1.2 GB per block at the rollout's batch 32)."""
     if txt[0].shape[2] % (3 * heads) or (txt[0].shape[2] // (3 * heads)) % 2:
         raise ValueError(f"joint_qk_norm_rope: QKV width {txt[0].shape[2]} is not {heads} heads x 3 x an even head dim")
-    return _joint_op(txt[0], img[0], txt[1], txt[2], img[1], img[2], txt[3], img[3], heads, eps)
+    (bias_t, lora_t), (bias_i, lora_i) = (tuple(stream[4:6]) or (None, None) for stream in (txt, img))
+    return _joint_op(txt[0], img[0], txt[1], txt[2], img[1], img[2], txt[3], img[3], heads, eps,
+                     bias_t, bias_i, lora_t, lora_i)

@@ -141,10 +141,13 @@ def test_cublaslt_epilogue_is_gelu_tanh():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("added", [False, True], ids=["qkv", "qkv+bias+lora"])
 @pytest.mark.parametrize("heads,head_dim", [(12, 64), (24, 128)])
-def test_joint_qk_norm_rope_kernel_equals_torch_ops(heads, head_dim):
+def test_joint_qk_norm_rope_kernel_equals_torch_ops(heads, head_dim, added):
     """The Triton kernel against the torch ops (the unfused model's math): float32 within 1e-5, bf16 within
-    one rounding; odd lengths, heads not a multiple of the kernel's head block, a strided (sliced) input."""
+    one rounding; odd lengths, heads not a multiple of the kernel's head block, a strided (sliced) input.
+    With a bias and a LoRA output to add: v (no norm after the sum) equals the float32 sum rounded once, bit
+    for bit, as the separate fused add computed it."""
     from model_specs.qwen_image.conditioning import rope_freqs
     from model_specs.qwen_image.qk_norm_rope import _reference, joint_qk_norm_rope
 
@@ -157,9 +160,15 @@ def test_joint_qk_norm_rope_kernel_equals_torch_ops(heads, head_dim):
         qkv_i = torch.randn(30, b, width + 16, device="cuda", generator=g).to(dtype)[..., :width]  # strided rows
         w = [(1 + 0.1 * torch.randn(head_dim, device="cuda", generator=g)).to(dtype) for _ in range(4)]
         txt, img = (qkv_t, w[0], w[1], txt_freqs), (qkv_i, w[2], w[3], img_freqs)
+        if added:
+            bias_t, bias_i = (torch.randn(width, device="cuda", generator=g).to(dtype) for _ in range(2))
+            lora_i = (0.1 * torch.randn(30, b, width + 8, device="cuda", generator=g)).to(dtype)[..., :width]
+            txt, img = txt + (bias_t, None), img + (bias_i, lora_i)  # text: a bias only; image: strided LoRA
         got = joint_qk_norm_rope(txt, img, heads=heads, eps=1e-6)
         want = _reference((txt, img), heads, 1e-6)
         for name, a, e in zip("qkv", got, want):
             assert a.shape == (b, 37, heads, head_dim) and a.is_contiguous(), name
             err = ((a.float() - e.float()).norm() / e.float().norm()).item()
             assert err < (tol if dtype == torch.float32 else 4e-3), (name, dtype, err)
+        if added:
+            assert torch.equal(got[2], want[2]), "v: the sum rounded differently"
