@@ -128,13 +128,19 @@ class _GatherHeads(torch.autograd.Function):
         return grad.chunk(ctx.group.size(), dim=ctx.dim)[dist.get_rank(ctx.group)], None, None
 
 
-def _ring_shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
-    """Send ``x`` to ring rank (r + step), receive from (r - step)."""
+def _start_shift(x: torch.Tensor, group, step: int) -> tuple[torch.Tensor, list]:
+    """Start sending ``x`` to ring rank (r + step) and receiving from (r - step); (buffer, requests to wait)."""
     rank, size = dist.get_rank(group), group.size()
     out = torch.empty_like(x)
     ops = [dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(group, (rank + step) % size), group),
            dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (rank - step) % size), group)]
-    for req in dist.batch_isend_irecv(ops):
+    return out, dist.batch_isend_irecv(ops)
+
+
+def _ring_shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
+    """Send ``x`` to ring rank (r + step), receive from (r - step)."""
+    out, reqs = _start_shift(x, group, step)
+    for req in reqs:
         req.wait()
     return out
 
@@ -174,39 +180,141 @@ def gather_sequence(x_SBH: torch.Tensor, group) -> torch.Tensor:
 
 
 # ---- ring attention with an online softmax -------------------------------------------------------
+#
+# Each K/V block runs through a flash kernel that also returns the rows' log-sum-exp (lse); blocks merge exactly:
+# out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i).  The backward runs the kernel's own backward
+# per block with the MERGED out and lse: its softmax is then the global one, so the per-block dq, dk, dv are exact
+# shares (dq summed here, each dk / dv sent back to the rank whose block it is).  Kernels: PyTorch's flash
+# attention on CUDA (bf16 / fp16, no mask) and its CPU flash kernel (any float dtype, mask as an additive bias);
+# elsewhere (float32 or a padded-text mask on CUDA) float32 matmul + log-sum-exp blocks under autograd.
+
+_aten = torch.ops.aten
+
+
+def _flash_ok(q: torch.Tensor, masked: bool) -> bool:
+    if q.device.type == "cpu":
+        return True
+    return (q.is_cuda and not masked and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256)
+
+
+def _joint_mask(txt_mask_B11T: torch.Tensor | None, img_BnRD: torch.Tensor) -> torch.Tensor | None:
+    """The [text; image] key mask [B, 1, 1, T + R] of block 0 (image keys always visible), or None."""
+    if txt_mask_B11T is None:
+        return None
+    ones = torch.ones(*txt_mask_B11T.shape[:3], img_BnRD.shape[2], dtype=torch.bool, device=img_BnRD.device)
+    return torch.cat([txt_mask_B11T, ones], dim=-1)
+
+
+def _bias(mask_B11K: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """A boolean mask as the additive bias the CPU flash kernel takes (of the query's dtype)."""
+    if mask_B11K is None:
+        return None
+    return torch.zeros(mask_B11K.shape, dtype=dtype, device=mask_B11K.device).masked_fill(~mask_B11K, float("-inf"))
+
+
+def _flash_forward(q, k, v, bias, scale):
+    """(out [B, n, S, D], lse [B, n, S] float32, what the kernel's backward needs of this call)."""
+    if q.is_cuda:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, False, False, scale=scale)
+        if lse.shape != q.shape[:3]:  # (the merge reads one value per query row)
+            raise RuntimeError(f"flash attention returned log-sum-exp of shape {tuple(lse.shape)}; expected "
+                               f"{tuple(q.shape[:3])} for queries {tuple(q.shape)}")
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    return out, lse, ()
+
+
+def _flash_backward(dout, q, k, v, out, lse, bias, saved, scale):
+    """(dq, dk, dv) of one block given the merged ``out`` and ``lse``."""
+    if q.is_cuda:
+        cum_q, cum_k, max_q, max_k, seed, offset = saved
+        return _aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
+                                                                  0.0, False, seed, offset, scale=scale)
+    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False,
+                                                                      attn_mask=bias, scale=scale)
+
+
+def _merge(out, lse, out_s, lse_s):
+    """Two partial softmax results of the same rows as one (float32); ``out`` None: the first block."""
+    out_s, lse_s = out_s.float(), lse_s.float()
+    if out is None:
+        return out_s, lse_s
+    lse_new = torch.logaddexp(lse, lse_s)
+    return (out * torch.exp(lse - lse_new).unsqueeze(-1) + out_s * torch.exp(lse_s - lse_new).unsqueeze(-1)), lse_new
+
+
+class _RingFlashAttention(torch.autograd.Function):
+    """softmax over [text K; every ring rank's image K] of q through flash kernels; see the comment above.
+    Block 0 is [text; this rank's image] K/V (with the text mask), block s the image K/V of ring rank r - s;
+    the next block's transfer runs while the current one is attended."""
+
+    @staticmethod
+    def forward(ctx, q, kt, vt, ki, vi, txt_mask_B11T, group):
+        scale, ring = q.shape[-1] ** -0.5, group.size()
+        k, v, bias = torch.cat([kt, ki], 2), torch.cat([vt, vi], 2), _bias(_joint_mask(txt_mask_B11T, ki), q.dtype)
+        kv, out, lse, blocks = torch.stack([ki, vi]), None, None, []
+        for s in range(ring):
+            pending = _start_shift(kv, group, 1) if s < ring - 1 else None
+            out_s, lse_s, saved = _flash_forward(q, k, v, bias, scale)
+            out, lse = _merge(out, lse, out_s, lse_s)
+            blocks.append((k, v, bias, saved))
+            if pending is not None:
+                kv, reqs = pending
+                for req in reqs:
+                    req.wait()
+                k, v, bias = kv[0], kv[1], None
+        out = out.to(q.dtype)
+        ctx.group, ctx.scale, ctx.text_len, ctx.blocks = group, scale, kt.shape[2], blocks
+        ctx.save_for_backward(q, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse = ctx.saved_tensors
+        dout, dq, own = dout.contiguous(), None, None
+        for s, (k, v, bias, saved) in enumerate(ctx.blocks):
+            dq_s, dk, dv = _flash_backward(dout, q, k, v, out, lse, bias, saved, ctx.scale)
+            dq = dq_s.float() if dq is None else dq + dq_s.float()
+            if s == 0:  # [text; own image] keys
+                dkt, dvt = dk[:, :, :ctx.text_len], dv[:, :, :ctx.text_len]
+                own = torch.stack([dk[:, :, ctx.text_len:], dv[:, :, ctx.text_len:]]).float()
+            else:  # block s came from ring rank r - s: its gradient goes back there, ours comes from r + s
+                own = own + _ring_shift(torch.stack([dk, dv]), ctx.group, -s).float()
+        ctx.blocks = None
+        return dq.to(q.dtype), dkt, dvt, own[0].to(q.dtype), own[1].to(q.dtype), None, None
+
 
 def _block_attention(q_BnSD, k_BnKD, v_BnKD, mask_B11K, scale):
-    """Attention of q to one K/V block in float32: (out [B, n, S, D], log-sum-exp [B, n, S, 1])."""
+    """Attention of q to one K/V block in float32: (out [B, n, S, D], log-sum-exp [B, n, S])."""
     scores = (q_BnSD @ k_BnKD.transpose(-1, -2)) * scale
     if mask_B11K is not None:
         scores = scores.masked_fill(~mask_B11K, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v_BnKD, lse
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v_BnKD, lse
 
 
-def ring_attention(q_BnSD, kt_BnTD, vt_BnTD, ki_BnRD, vi_BnRD, txt_mask_B11T, ring_group):
+def ring_attention(q_BnSD, kt_BnTD, vt_BnTD, ki_BnRD, vi_BnRD, txt_mask_B11T, ring_group, flash: bool | None = None):
     """softmax over [text K; every ring rank's image K] of q, exact, without gathering K/V.
 
     Step 0 attends to text K/V (with the padding mask) and this rank's image K/V; step s attends to the
-    image K/V of ring rank r - s, received by ``ring`` - 1 shifts.  Blocks are merged by log-sum-exp:
-    out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i).  Image keys are always visible,
-    so every query row has at least one finite score.
+    image K/V of ring rank r - s, received by ``ring`` - 1 shifts.  Image keys are always visible, so every query
+    row has at least one finite score.  Flash kernels where the device and dtype allow (``_RingFlashAttention``),
+    else float32 blocks differentiated by autograd; ``flash`` forces one (None: the flash kernels when allowed).
     """
+    if flash is None:
+        flash = _flash_ok(q_BnSD, txt_mask_B11T is not None)
+    if flash:
+        return _RingFlashAttention.apply(q_BnSD, kt_BnTD, vt_BnTD, ki_BnRD, vi_BnRD, txt_mask_B11T, ring_group)
     dtype, scale = q_BnSD.dtype, 1.0 / math.sqrt(q_BnSD.shape[-1])
     q = q_BnSD.float()
-    mask = None
-    if txt_mask_B11T is not None:
-        ones = torch.ones(*txt_mask_B11T.shape[:3], ki_BnRD.shape[2], dtype=torch.bool, device=q.device)
-        mask = torch.cat([txt_mask_B11T, ones], dim=-1)
-    out, lse = _block_attention(q, torch.cat([kt_BnTD, ki_BnRD], 2).float(),
-                                torch.cat([vt_BnTD, vi_BnRD], 2).float(), mask, scale)
+    out, lse = _block_attention(q, torch.cat([kt_BnTD, ki_BnRD], 2).float(), torch.cat([vt_BnTD, vi_BnRD], 2).float(),
+                                _joint_mask(txt_mask_B11T, ki_BnRD), scale)
     kv = torch.stack([ki_BnRD, vi_BnRD])
     for _ in range(ring_group.size() - 1):
         kv = _RingShift.apply(kv, ring_group)
-        out_s, lse_s = _block_attention(q, kv[0].float(), kv[1].float(), None, scale)
-        lse_new = torch.logaddexp(lse, lse_s)
-        out = out * torch.exp(lse - lse_new) + out_s * torch.exp(lse_s - lse_new)
-        lse = lse_new
+        out, lse = _merge(out, lse, *_block_attention(q, kv[0].float(), kv[1].float(), None, scale))
     return out.to(dtype)
 
 
