@@ -86,3 +86,33 @@ def test_cuda_flash_blocks_merge_to_sdpa():
     for name, a, b in (("out", out, ref), ("dq", dq, leaves[0].grad), ("dk", dk, leaves[1].grad),
                        ("dv", dv, leaves[2].grad)):
         assert _rel(a.float(), b.float()) < 1e-2, (name, _rel(a.float(), b.float()))
+
+
+def _cuda_ring_of_one_worker():
+    """The whole flash ring on a CUDA GPU with a ring of one rank (no transfer): bf16 flash vs float32 blocks."""
+    import torch.distributed as dist
+
+    from megatron_omni.parallel.usp import ring_attention
+
+    dist.init_process_group("gloo")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(2, 4, 24, 128), (2, 4, 24, 128), (2, 4, 24, 128), (2, 4, 80, 128), (2, 4, 80, 128), (2, 4, 80, 128)]
+    base = [torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16) for s in shapes]
+    w = torch.randn(2, 4, 104, 128, device="cuda", generator=g)
+    results = []
+    for flash in (True, False):
+        leaves = [t.clone().requires_grad_() for t in base]
+        q = torch.cat([leaves[0], leaves[3]], 2)
+        out = ring_attention(q, leaves[1], leaves[2], leaves[4], leaves[5], None, dist.group.WORLD, flash=flash)
+        (out.float() * w).sum().backward()
+        results.append([out.detach().float().cpu()] + [t.grad.float().cpu() for t in leaves])
+    dist.destroy_process_group()
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_flash_ring_of_one_equals_float32_blocks():
+    (flash, exact), = run_distributed(_cuda_ring_of_one_worker, world_size=1)
+    for name, a, b in zip(("out", "q_txt", "k_txt", "v_txt", "q_img", "k_img", "v_img"), flash, exact):
+        assert b.norm() > 0 and _rel(a, b) < 1e-2, (name, _rel(a, b))
