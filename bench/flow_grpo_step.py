@@ -204,9 +204,8 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
                      "(cond forward + activation backward) plus the adapters'; the reference runs uncond under "
                      "no_grad (3)")
     else:
-        notes.append("ours (--no-reuse-uncond) trains cond + uncond in one batched forward and detaches the uncond "
-                     "branch in the loss: its backward runs over both halves, so MFU of 'train' counts 3 of the 4 "
-                     "forward-equivalents it executes; the reference runs uncond under no_grad")
+        notes.append("ours (--no-reuse-uncond) recomputes the uncond rows in their own forward under no_grad (the "
+                     "loss detaches that branch), as the reference does: 3 forward-equivalents per pair")
     notes.append("targets (BENCHMARKS.md): DiT side >= 1.3 images/s and >= 1.7x the reference; end to end >= 1.0 "
                  "images/s; rollout >= 75 % MFU; train >= 55 % MFU")
     table.caption, table.caption_justify = "\n".join(notes), "left"

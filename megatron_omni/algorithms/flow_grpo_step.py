@@ -6,8 +6,9 @@
                                               model=model, num_microbatches=len(micro_batches), ...)
 
 Each micro-batch is a ``FlowGRPOMicroBatch`` of B (sample, trained step) pairs.  ``forward_step`` runs the
-model (cond and, with a negative prompt, uncond in ONE batched forward) and, when the KL term is on, the
-reference policy under ``torch.no_grad``; ``loss_func`` (last pipeline stage) combines true CFG in float32
+model on the cond rows and, with a negative prompt, the uncond rows in a forward of their own under no_grad (one
+padded forward on a pipeline stage: ``model_output``) and, when the KL term is on, the reference policy under
+``torch.no_grad``; ``loss_func`` (last pipeline stage) combines true CFG in float32
 with the uncond branch detached, forms the SDE mean μ_θ and log π_θ(x_t') with the rollout's own math
 (``megatron_omni.rollout.samplers``: the trainer scores a step exactly as it was sampled), and returns
 ``(L, metrics)`` from ``flow_grpo.flow_grpo_loss``.
@@ -131,6 +132,29 @@ def model_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None, uncon
     return img, txt, sigma, mb.img_fhw, mask
 
 
+def model_output(model: torch.nn.Module, mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None,
+                 uncond_rows: bool | None = None, joint: bool = False) -> torch.Tensor:
+    """The model's output for ``mb``: its cond rows, then with uncond rows (default ``mb.uncond_rows``) the uncond
+    rows.  On a whole model the uncond rows run as their own forward under no_grad, as the rollout engine runs a
+    branch with its own text layout (unpadded, unmasked) and as the loss needs them (the uncond branch is
+    detached: a backward through it is work thrown away).  A pipeline stage exchanges one hidden state per
+    micro-batch, so there (and with ``joint``) both branches share one forward (``model_inputs``: text padded to
+    the longer, masked)."""
+    if uncond_rows is None:
+        uncond_rows = mb.uncond_rows
+    if not uncond_rows or joint or not _whole(model):
+        return model(*model_inputs(mb, dtype, uncond_rows))
+    if mb.uncond_txt is None:
+        raise ValueError("model_output: uncond rows asked for a micro-batch without uncond_txt")
+    cond = model(*model_inputs(mb, dtype, uncond_rows=False))
+    img, txt = mb.x_t, mb.uncond_txt
+    if dtype is not None:
+        img, txt = img.to(dtype), txt.to(dtype)
+    with torch.no_grad():
+        uncond = model(img, txt, mb.t, mb.img_fhw, mb.uncond_mask)
+    return torch.cat([cond, uncond])
+
+
 def guided_velocity(out_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> torch.Tensor:
     """float32 velocity of the policy: the model output, or with CFG v = v_u + w·(v_c − v_u) with the
     uncond branch detached, rescaled as ``mb.cfg_rescale`` says.  v_u is the output's uncond half when it
@@ -168,9 +192,12 @@ def loss_func(mb: FlowGRPOMicroBatch, config: FlowGRPOLossConfig, ref_out: torch
                           ref_mean_BX=ref_mean_BIC, std_B=std_B11, dt_B=mb.t_next - mb.t)
 
 
-def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | None = None):
+def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | None = None, *,
+                           joint_uncond: bool = False):
     """``forward_step_func(data_iterator, model)`` for megatron's ``forward_backward_func``; the iterator
-    yields ``FlowGRPOMicroBatch``es.  ``reference`` is required when ``config.kl_beta > 0``."""
+    yields ``FlowGRPOMicroBatch``es.  ``reference`` is required when ``config.kl_beta > 0``.  ``joint_uncond``:
+    cond and uncond rows in one padded forward on a whole model too, as a pipeline stage runs them (see
+    ``model_output``)."""
     if config.kl_beta > 0 and reference is None:
         raise ValueError(f"kl_beta={config.kl_beta} needs a reference policy: pass reference= (e.g. "
                          f"model_specs.common.lora.disable_adapters, or lambda m: contextlib.nullcontext(ref_model))")
@@ -178,35 +205,28 @@ def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | 
     def forward_step(data_iterator: Iterator[FlowGRPOMicroBatch], model: torch.nn.Module):
         mb = next(data_iterator)
         dtype = model.config.params_dtype
-        inputs = model_inputs(mb, dtype)
-        output = model(*inputs)
+        output = model_output(model, mb, dtype, joint=joint_uncond)
         ref_out = None
         if config.kl_beta > 0:
-            _single_stage(model)
-            ref_inputs = inputs if mb.uncond_velocity is None else _reference_inputs(mb, dtype)
-            with torch.no_grad(), reference(model) as ref_model:
-                ref_out = ref_model(*ref_inputs)
+            if not _whole(model):
+                raise ValueError("kl_beta > 0 with an inline reference forward needs pipeline-parallel size 1 (a "
+                                 "pipeline stage would feed the reference the policy's hidden state); under PP "
+                                 "precompute the reference means in a forward-only pass")
+            if mb.has_cfg and mb.uncond_txt is None:
+                raise ValueError("a KL reference with a reused uncond_velocity needs the micro-batch's uncond_txt, to "
+                                 "run the reference's own uncond branch")
+            with torch.no_grad(), reference(model) as ref_model:  # its own uncond rows: a reused v_u is the policy's
+                ref_out = model_output(ref_model, mb, dtype, uncond_rows=mb.has_cfg, joint=joint_uncond)
         return output, partial(loss_func, mb, config, ref_out)
 
     return forward_step
 
 
-def _reference_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None) -> tuple:
-    """The reference's forward with its own uncond rows: a reused v_u is the policy's, not the reference's."""
-    if mb.uncond_txt is None:
-        raise ValueError("a KL reference with a reused uncond_velocity needs the micro-batch's uncond_txt, to run "
-                         "the reference's own uncond branch")
-    return model_inputs(mb, dtype, uncond_rows=True)
-
-
-def _single_stage(model: torch.nn.Module) -> None:
-    """An inline reference forward needs the whole model on this rank (a pipeline stage would feed the
-    reference the policy's hidden state)."""
+def _whole(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds the whole network (not one pipeline stage of it)."""
     bare = getattr(model, "module", model)
-    if not (getattr(bare, "pre_process", True) and getattr(bare, "post_process", True)):
-        raise ValueError("kl_beta > 0 with an inline reference forward needs pipeline-parallel size 1; under "
-                         "PP precompute the reference means in a forward-only pass")
+    return bool(getattr(bare, "pre_process", True) and getattr(bare, "post_process", True))
 
 
 __all__ = ["FlowGRPOMicroBatch", "ReferenceFn", "flow_grpo_forward_step", "guided_velocity", "loss_func",
-           "model_inputs", "step_log_prob"]
+           "model_inputs", "model_output", "step_log_prob"]

@@ -1,10 +1,11 @@
 """How a row's text reaches the DiT: its real tokens only, zero-padded to a shared length, masked only if padded.
 
-The rollout engine lays text out this way for every request (cond and negative prompt padded to one length,
-rounded up to a multiple so that batching does not change shapes), and the trainer lays out the rows it
-re-scores the same way: the same sequence length and, where nothing is padded, no attention mask (SDPA may
-then pick its flash kernel; with an all-True mask it runs a masked kernel the rollout did not, which rounds
-differently and may be slower: bench/attention_mask.py measures it).  Legend: T tokens, E embedding width, L the shared padded length.
+The rollout engine lays text out this way for every prompt (a request's prompt and negative prompt apart, each
+rounded up to a multiple of ``EngineConfig.text_pad_multiple`` so that batching does not change shapes; with the
+default multiple of 1, real tokens only and no mask), and the trainer lays out the rows it re-scores the same
+way: the same sequence length and, where nothing is padded, no attention mask (with one, SDPA runs a masked
+kernel: 1.6x the unmasked forward at the rollout's batch 32 on an H200, bench/attention_mask.py, and rounds
+differently).  Legend: T tokens, E embedding width, L the shared padded length.
 """
 from __future__ import annotations
 

@@ -100,7 +100,11 @@ class RolloutEngine(Protocol):
 class EngineConfig:
     max_num_seqs: int = 16  # requests per forward (CFG doubles the rows)
     wait_ms: float = 5.0  # how long submit() lets a batch fill before running it
-    text_pad_multiple: int = 16  # text is padded to a multiple of this, per request, so batching is invariant
+    # each prompt's text is padded to a multiple of this (cond and negative prompt apart), so that requests share a
+    # batch only at one shape and batching never changes a sample; 1 = real tokens only: no padding, so no
+    # attention mask (a masked SDPA forward was 1.6x slower than the unmasked one at the rollout's batch 32 on
+    # an H200, bench/RESULTS.md); larger values let prompts of near lengths share a batch
+    text_pad_multiple: int = 1
     # inference fusions (model_specs.common.fusion): fc1's bias + GELU in the GEMM epilogue (fc1's LoRA folded
     # into that GEMM), q / k norm + RoPE + joint layout in one kernel; modules that cannot fuse keep their path
     fuse: bool = True
@@ -110,8 +114,9 @@ class EngineConfig:
 class _Prepared:
     request: Request
     key: tuple
-    txt_nLE: torch.Tensor  # [n, L, E]: n = 1 (cond) or 2 (cond, uncond) with CFG, right-padded with zeros
-    mask_nL: torch.Tensor | None  # [n, L] bool, True = real token; None when no token is padding
+    # per branch (cond, then uncond with CFG): text [L_j, E] right-padded with zeros, mask [L_j] (True = real
+    # token) or None when nothing is padded
+    texts: list[tuple[torch.Tensor, torch.Tensor | None]]
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -323,12 +328,14 @@ class EmbeddedEngine:
         if r.cfg:
             parts.append(real_tokens(r.negative_prompt_emb, r.negative_prompt_mask, r.negative_prompt)
                          if r.negative_prompt_emb is not None else self._prompt_cache[r.negative_prompt])
-        length = padded_length([p.shape[0] for p in parts], self.config.text_pad_multiple)
-        txt, mask = pad_rows(parts, length)
+        texts = []
+        for part in parts:
+            (txt,), mask = pad_rows([part], padded_length([part.shape[0]], self.config.text_pad_multiple))
+            texts.append((txt.to(self._device), None if mask is None else mask[0].to(self._device)))
         cfg = (r.guidance_scale, r.cfg_rescale) if r.cfg else None
         key = (tuple(r.img_fhw), r.num_steps, float(r.shift), r.sampler, float(r.noise_level), cfg,
-               r.log_prob_form, length, mask is not None)
-        return _Prepared(r, key, txt.to(self._device), None if mask is None else mask.to(self._device))
+               r.log_prob_form, tuple((txt.shape[0], mask is not None) for txt, mask in texts))
+        return _Prepared(r, key, texts)
 
     # ---- one batch -------------------------------------------------------------------------------
     def _run(self, items: list[_Prepared]) -> list[Trajectory]:
@@ -359,19 +366,28 @@ class EmbeddedEngine:
 
     def _velocity_fn(self, items: list[_Prepared], sigmas_N1: torch.Tensor,
                      on_uncond: Callable[[int, torch.Tensor], None] | None = None) -> Callable:
-        """v(x_BX, i) at t = sigmas[i]: one forward over the batch (cond rows, then uncond rows with CFG);
-        ``on_uncond(i, v_uncond_BX)`` sees each step's uncond output."""
+        """v(x_BX, i) at t = sigmas[i] over the batch (with CFG: cond rows, then uncond rows); ``on_uncond(i,
+        v_uncond_BX)`` sees each step's uncond output.  Cond and uncond rows share one forward when their text
+        has one layout (length and masking); else each branch runs its own forward, unpadded, unmasked."""
         r0 = items[0].request
-        n = 2 if r0.cfg else 1
-        txt = torch.cat([torch.stack([p.txt_nLE[j] for p in items]) for j in range(n)])
-        txt = txt.to(self._device, self._dtype)
-        mask = None
-        if items[0].mask_nL is not None:  # part of the batch key: all padded or none
-            mask = torch.cat([torch.stack([p.mask_nL[j] for p in items]) for j in range(n)]).to(self._device)
+        branches = []  # (text [B, L_j, E], mask [B, L_j] or None) per branch: one layout per batch (its key)
+        for j in range(len(items[0].texts)):
+            txt = torch.stack([p.texts[j][0] for p in items]).to(self._device, self._dtype)
+            masked = items[0].texts[j][1] is not None
+            branches.append((txt, torch.stack([p.texts[j][1] for p in items]) if masked else None))
+        shared = len(branches) == 2 and branches[0][0].shape == branches[1][0].shape \
+            and (branches[0][1] is None) == (branches[1][1] is None)
+        if shared:  # [cond; uncond] rows of one forward
+            (txt_c, mask_c), (txt_u, mask_u) = branches
+            forwards = [(torch.cat([txt_c, txt_u]), None if mask_c is None else torch.cat([mask_c, mask_u]), 2)]
+        else:
+            forwards = [(txt, mask, 1) for txt, mask in branches]
 
         def velocity(x_BX: torch.Tensor, i: int) -> torch.Tensor:
-            x_in = torch.cat([x_BX] * n)
-            out = self.model(x_in.to(self._dtype), txt, sigmas_N1[i].expand(x_in.shape[0]), r0.img_fhw, mask)
+            x = x_BX.to(self._dtype)
+            outs = [self.model(torch.cat([x] * rows) if rows > 1 else x, txt, sigmas_N1[i].expand(rows * x.shape[0]),
+                               r0.img_fhw, mask) for txt, mask, rows in forwards]
+            out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if not r0.cfg:
                 return out.float()
             v_cond, v_uncond = out.chunk(2)

@@ -3,8 +3,9 @@
 Pairs are taken in (sample, step) order and cut into micro-batches of ``size`` pairs; a micro-batch
 carries exactly what the rollout saw for each pair (x_t, x_t', t, t', the rollout's log-prob, the
 prompt's text embedding and the negative prompt's when the rollout used true CFG).  Text is laid out as the
-rollout engine lays it out (``megatron_omni.data.text_layout``): real tokens only, padded per pair to the
-length the engine gave that request, a micro-batch to its longest, and no mask when nothing is padded.
+rollout engine lays it out (``megatron_omni.data.text_layout``): real tokens only, each prompt padded to the
+length the engine gave it (cond and negative prompt apart), a micro-batch's branch to its longest row, and no mask
+when nothing is padded.
 
 ``reuse_uncond``: the micro-batches also carry the rollout's uncond output of each pair
 (``Trajectory.uncond_velocity``), so the training forward skips its uncond rows.  Valid only while the
@@ -45,7 +46,8 @@ def without_reused_uncond(mbs: list[FlowGRPOMicroBatch]) -> list[FlowGRPOMicroBa
 
 
 def _text_rows(rows: list[Trajectory], text: TextTable, cfg: bool, multiple: int, device):
-    """The micro-batch's cond text and mask, and with ``cfg`` the negative prompt's, in the engine's layout."""
+    """The micro-batch's cond text and mask, and with ``cfg`` the negative prompt's, each branch in the engine's
+    layout: every prompt padded to its own multiple of ``multiple``, the branch to its longest row."""
     real = {}  # prompt -> its real tokens (once per prompt: the boolean indexing reads the mask on the host)
 
     def tokens(prompt: str) -> torch.Tensor:
@@ -53,13 +55,10 @@ def _text_rows(rows: list[Trajectory], text: TextTable, cfg: bool, multiple: int
             real[prompt] = real_tokens(*text[prompt], prompt)
         return real[prompt]
 
-    cond = [tokens(t.request.prompt) for t in rows]
-    uncond = [tokens(t.request.negative_prompt) for t in rows] if cfg else []
-    requests = zip(cond, uncond) if cfg else ((c,) for c in cond)  # each row's texts, as its request had them
-    length = max(padded_length([t.shape[0] for t in texts], multiple) for texts in requests)
-    out = [pad_rows(cond, length)] + ([pad_rows(uncond, length)] if cfg else [])
-    if any(mask is not None for _, mask in out):  # the engine masks every row of a request with padding
-        out = [(txt, torch.ones(txt.shape[:2], dtype=torch.bool) if mask is None else mask) for txt, mask in out]
+    branches = [[tokens(t.request.prompt) for t in rows]]
+    if cfg:
+        branches.append([tokens(t.request.negative_prompt) for t in rows])
+    out = [pad_rows(parts, max(padded_length([p.shape[0]], multiple) for p in parts)) for parts in branches]
     return [(txt.to(device), None if mask is None else mask.to(device)) for txt, mask in out]
 
 

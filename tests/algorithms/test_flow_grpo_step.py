@@ -1,8 +1,9 @@
 """The Flow-GRPO loss inside megatron-core's forward_backward_func (PP=1, several micro-batches, true CFG on
 one, KL to the LoRA-disabled reference) gives the gradients of plain autograd over the same micro-batches.
 
-The plain reference is written out independently, and runs CFG as two separate unpadded forwards where
-the step runs one padded, batched forward.  In float32 those two agree only to ~1e-5 in the gradients
+The plain reference is written out independently, and runs CFG as two separate unpadded forwards with the
+uncond branch under autograd (detached in the loss); the step runs the uncond rows under no_grad.  In float32
+the two agree only to ~1e-5 in the gradients
 (CFG scale 4 amplifies the ~3e-7 rounding of a differently batched forward; float32 and float64 gradients
 differ by as much), so the CFG case runs the model in float64, where any real difference would show
 far above 1e-6.  Without CFG the float32 gradients agree exactly."""
@@ -16,7 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig
 from megatron_omni.algorithms.flow_grpo_step import (
-    FlowGRPOMicroBatch, flow_grpo_forward_step, guided_velocity, model_inputs, step_log_prob,
+    FlowGRPOMicroBatch, flow_grpo_forward_step, guided_velocity, model_inputs, model_output, step_log_prob,
 )
 from megatron_omni.parallel import cuda_factories_on_cpu
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, disable_adapters
@@ -48,9 +49,9 @@ def _micro_batches(model, arch, count=3, b=2, cfg_index=1, dtype=torch.float32):
             if getattr(mb, name) is not None:
                 setattr(mb, name, getattr(mb, name).to(dtype))
         with torch.no_grad():
-            mean, _, std = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)
+            mean, _, std = step_log_prob(guided_velocity(model_output(model, mb), mb), mb)
             mb.x_next = (mean + std * torch.randn(mean.shape, generator=g)).to(dtype)
-            _, log_prob, _ = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)
+            _, log_prob, _ = step_log_prob(guided_velocity(model_output(model, mb), mb), mb)
         mb.old_log_prob = log_prob + torch.tensor([3e-4, -2e-5]) * (1 - 2 * (i % 2))
         mbs.append(mb)
     return mbs
@@ -142,7 +143,7 @@ def test_full_model_float32_matches_plain_autograd(single_rank):
             num_microbatches=len(mbs), seq_length=1, micro_batch_size=2, forward_only=True, collect_non_loss_data=True)
     with torch.no_grad():
         for mb, out in zip(mbs, collected):
-            assert torch.equal(out["log_prob"], step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)[1])
+            assert torch.equal(out["log_prob"], step_log_prob(guided_velocity(model_output(model, mb), mb), mb)[1])
 
 
 def test_kl_needs_a_reference():
@@ -164,7 +165,7 @@ def test_bf16_model_takes_float32_rollout_latents(single_rank):
     with torch.no_grad():
         for mb, out in zip(mbs, collected):
             assert mb.x_t.dtype == torch.float32
-            expected = step_log_prob(guided_velocity(model(*model_inputs(mb, torch.bfloat16)), mb), mb)[1]
+            expected = step_log_prob(guided_velocity(model_output(model, mb, torch.bfloat16), mb), mb)[1]
             assert torch.equal(out["log_prob"], expected)
 
 
@@ -180,11 +181,11 @@ def _megatron_grads(model, mbs, cfg, reference=None):
 
 def _with_rollout_uncond(model, mbs):
     """The micro-batches carrying the uncond output of the weights they were scored with, as the rollout keeps
-    it: the uncond half of the batched forward (the rollout's own forward of these inputs)."""
+    it: the uncond rows' own forward (as the rollout computes them)."""
     out = []
     for mb in mbs:
         with torch.no_grad():
-            v_u = model(*model_inputs(mb))[mb.t.numel():].float() if mb.has_cfg else None
+            v_u = model_output(model, mb)[mb.t.numel():].float() if mb.has_cfg else None
         out.append(replace(mb, uncond_velocity=v_u))
     return out
 
@@ -207,9 +208,9 @@ def _cfg_micro_batches(model, arch, dtype, b=4, count=2):
             old_log_prob=torch.zeros(b), advantage=torch.randn(b, generator=g), noise_level=NOISE, sigma_1=SIGMA_1,
             uncond_txt=torch.randn(b, 3, e, generator=g).to(dtype), guidance_scale=CFG_SCALE)
         with torch.no_grad():
-            mean, _, std = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)
+            mean, _, std = step_log_prob(guided_velocity(model_output(model, mb), mb), mb)
             mb.x_next = (mean + std * torch.randn(mean.shape, generator=g)).to(dtype)
-            _, log_prob, _ = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)
+            _, log_prob, _ = step_log_prob(guided_velocity(model_output(model, mb), mb), mb)
         mb.old_log_prob = log_prob + torch.tensor([3e-4, -2e-5, 5e-5, -3e-4])[:b] * (1 - 2 * (i % 2))
         mbs.append(mb)
     return mbs
@@ -252,8 +253,8 @@ def test_reused_uncond_matches_batched_cfg(single_rank, lora_kl, dtype):
     assert torch.all(ratios != 1)
     with torch.no_grad():  # the forward-only log-prob recomputation before any update
         for mb, rmb in zip(mbs, reused_mbs):
-            lp = step_log_prob(guided_velocity(model(*model_inputs(mb)), mb), mb)[1]
-            lp_reused = step_log_prob(guided_velocity(model(*model_inputs(rmb)), rmb), rmb)[1]
+            lp = step_log_prob(guided_velocity(model_output(model, mb), mb), mb)[1]
+            lp_reused = step_log_prob(guided_velocity(model_output(model, rmb), rmb), rmb)[1]
             assert torch.allclose(lp_reused, lp, rtol=TOL, atol=0)
 
 
@@ -268,3 +269,23 @@ def test_reused_uncond_needs_its_rows_or_the_velocity():
     reused = replace(mb, uncond_velocity=torch.ones(2, 4, 3))
     assert not reused.uncond_rows and model_inputs(reused)[1].shape == (2, 5, 7)  # cond text, not padded to U
     assert guided_velocity(torch.ones(2, 4, 3), reused).shape == (2, 4, 3)
+
+
+def test_uncond_rows_of_another_length_run_apart_without_autograd(single_rank):
+    """On a whole model, a CFG micro-batch whose negative prompt has another text length runs its uncond rows as
+    their own unpadded, unmasked forward under no_grad (as the rollout engine runs them; the loss detaches that
+    branch): the output of the padded, masked joint forward to float32 rounding, one graph for the cond rows."""
+    arch = tiny_config()
+    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group)
+    mb = _cfg_micro_batches(model, arch, torch.float32, count=1)[0]
+    assert mb.uncond_rows and mb.txt.shape[1] != mb.uncond_txt.shape[1]
+    calls = []
+    handle = model.register_forward_hook(lambda m, args, out: calls.append(
+        (args[0].shape[0], args[1].shape[1], args[4] is None, torch.is_grad_enabled())))
+    split = model_output(model, mb)
+    joint = model_output(model, mb, joint=True)
+    handle.remove()
+    b, t, u = mb.t.numel(), mb.txt.shape[1], mb.uncond_txt.shape[1]
+    assert calls[:2] == [(b, t, mb.txt_mask is None, True), (b, u, mb.uncond_mask is None, False)]
+    assert calls[2] == (2 * b, max(t, u), False, True)  # joint: padded to the longer text, masked
+    torch.testing.assert_close(split, joint, rtol=1e-5, atol=1e-5)

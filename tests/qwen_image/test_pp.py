@@ -98,7 +98,9 @@ def _train(arch, ref, state, batches, kind=None):
     micro_batches = batches[kind or ("fixed" if state.vpp else "varying")]
     shape = _boundary(micro_batches)
     policy = build_policy(arch, state, lr=LR, clip_grad=1.0, prepare=lambda m: _load(m, arch, ref, state))
-    forward_step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=1e-4))
+    # joint_uncond: the PP=1 baseline runs a CFG micro-batch's uncond rows in the one padded forward a pipeline
+    # stage runs (on a whole model they get their own forward by default: other rounding, same math)
+    forward_step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=1e-4), joint_uncond=True)
     losses = []
     for _ in range(STEPS):
         metrics, _ = run_microbatches(policy, forward_step, micro_batches, boundary_shape=shape)

@@ -45,6 +45,10 @@ def model(single_rank, reference):
     return megatron_from_reference(reference, ARCH, single_rank.tp_group)
 
 
+PAD = 16  # text_pad_multiple of the batching tests: every prompt and negative prompt padded to one length (masked),
+# so that requests of different prompts share a batch and cond / uncond rows a forward
+
+
 def _requests():
     common = dict(img_fhw=FHW, num_steps=4, shift=2.0, noise_level=1.2, guidance_scale=4.0, window_size=2,
                   window_range=(0, 2))
@@ -75,7 +79,7 @@ def test_batched_and_one_by_one_rollouts_agree(model):
     kernel and differ in the last bit.  So: bitwise equal between batchings of >= 4 rows (next test),
     and within float32 rounding (measured max |Δ| 9e-5 on latents up to 26, log-probs equal) for 1-2 rows."""
     encoder = ToyEncoder()
-    engine = EmbeddedEngine(model, ARCH, encoder, EngineConfig(max_num_seqs=8))
+    engine = EmbeddedEngine(model, ARCH, encoder, EngineConfig(max_num_seqs=8, text_pad_multiple=PAD))
     reqs = _requests()
     sizes, handle = _forward_batches(model)
     batched = engine.generate(reqs)
@@ -99,15 +103,37 @@ def test_batched_and_one_by_one_rollouts_agree(model):
 
 def test_batch_composition_is_bitwise_invariant_at_four_rows_or_more(model):
     reqs = [r for r in _requests() if r.guidance_scale > 1]  # 4 CFG requests
-    whole = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=4)).generate(reqs)  # 8 rows
-    pairs = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=2)).generate(reqs[::-1])  # 4 rows
+    whole = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=4, text_pad_multiple=PAD)).generate(
+        reqs)  # 8 rows
+    pairs = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=2, text_pad_multiple=PAD)).generate(
+        reqs[::-1])  # 4 rows
     for a, b in zip(whole, pairs[::-1]):
         _assert_same(a, b)
 
 
+def test_default_layout_runs_each_text_branch_unpadded_and_unmasked(model):
+    """text_pad_multiple=1 (the default): real tokens only.  A request's prompt and negative prompt differ in
+    length, so its cond and uncond rows run as two forwards, neither masked; requests share a batch only with
+    prompts of their length; the samples equal those of the padded, masked joint forward to float32 rounding."""
+    reqs = [r for r in _requests() if r.guidance_scale > 1]
+    calls = []
+    handle = model.register_forward_hook(lambda m, args, out: calls.append((args[0].shape[0], args[1].shape[1],
+                                                                            args[4] is None)))
+    got = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=8)).generate(reqs)
+    handle.remove()
+    # batches: "a red cat" x2 + "a blue house" (5 tokens), "two dogs on a beach at night" (9); negative "" (2)
+    assert sorted(calls) == sorted([(3, 5, True)] * 4 + [(3, 2, True)] * 4 + [(1, 9, True)] * 4 + [(1, 2, True)] * 4)
+    padded = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=8, text_pad_multiple=PAD)).generate(
+        reqs)
+    for a, b in zip(got, padded):
+        torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=2e-4)
+        torch.testing.assert_close(a.log_probs, b.log_probs, rtol=1e-5, atol=1e-5)
+
+
 def test_max_num_seqs_splits_batches_and_submit_fills_them(model):
     reqs = [r for r in _requests() if r.guidance_scale > 1]
-    engine = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=3, wait_ms=1000))
+    engine = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=3, wait_ms=1000,
+                                                                    text_pad_multiple=PAD))
     expected = engine.generate(reqs)
     sizes, handle = _forward_batches(model)
     futures = [engine.submit(r) for r in reqs]  # the first 3 run as soon as they are queued, the 4th after 1 s

@@ -128,9 +128,9 @@ def test_microbatches_take_each_pairs_own_kept_uncond_output():
 
 
 def test_microbatch_text_is_laid_out_as_the_engine_lays_it_out():
-    """Real tokens only, padded to the engine's per-request length (a multiple of its text_pad_multiple), and no
-    mask when nothing is padded (an all-True mask would cost a masked attention kernel the rollout did not run);
-    with padding, every row masked, as the engine masks both rows of a padded request."""
+    """Real tokens only, each prompt padded to its own multiple of the engine's text_pad_multiple (the prompt and
+    the negative prompt apart), a branch to its longest row, and no mask where nothing is padded (an all-True mask
+    would cost a masked attention kernel the rollout did not run)."""
     import torch
 
     from megatron_omni.algorithms.flow_grpo_step import model_inputs
@@ -153,6 +153,7 @@ def test_microbatch_text_is_laid_out_as_the_engine_lays_it_out():
     assert model_inputs(mb, uncond_rows=True)[4] is None  # cond + uncond rows, still unmasked
     (mb,) = grpo_microbatches([traj("long"), traj("a")], torch.zeros(2), text, size=2, text_pad_multiple=16)
     assert mb.txt.shape == (2, 32, 4) and mb.txt_mask.sum(1).tolist() == [20, 16]
-    assert mb.uncond_mask.sum(1).tolist() == [16, 16]
-    (mb,) = grpo_microbatches([traj("long")], torch.zeros(1), text, size=1, text_pad_multiple=4)
-    assert mb.txt.shape == (1, 20, 4) and mb.txt_mask.all() and mb.uncond_mask.sum().item() == 16
+    assert mb.uncond_txt.shape == (2, 16, 4) and mb.uncond_mask is None  # the negative prompt keeps its own length
+    (mb,) = grpo_microbatches([traj("long")], torch.zeros(1), text, size=1)  # the engine's default: real tokens
+    assert mb.txt.shape == (1, 20, 4) and mb.txt_mask is None
+    assert mb.uncond_txt.shape == (1, 16, 4) and mb.uncond_mask is None
