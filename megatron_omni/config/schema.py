@@ -152,6 +152,9 @@ class RolloutConfig:
     window_range: Optional[tuple[int, int]] = None  # inclusive range of window starts; None = any that fits
     guidance_scale: float = 1.0  # > 1: true CFG with the empty prompt
     max_num_seqs: int = 64  # requests per engine forward
+    # each prompt's text padded to a multiple of this (prompt and negative prompt apart); 1 = real tokens, no
+    # attention mask; larger lets prompts of near lengths share a batch, at the cost of a masked attention kernel
+    text_pad_multiple: int = 1
     # torch.compile mode for the rollout model's blocks, e.g. "default"; None = eager
     compile: Optional[str] = None
     # the engine's inference fusions (model_specs.common.fusion): GELU in fc1's GEMM epilogue, q/k norm + RoPE in
@@ -160,7 +163,8 @@ class RolloutConfig:
 
     def validate(self) -> None:
         _require_positive("rollout", prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-                          num_steps=self.num_steps, max_num_seqs=self.max_num_seqs)
+                          num_steps=self.num_steps, max_num_seqs=self.max_num_seqs,
+                          text_pad_multiple=self.text_pad_multiple)
         if self.window_size is not None and not 1 <= self.window_size <= self.num_steps:
             raise ConfigError(f"rollout.window_size: {self.window_size} is outside 1..num_steps={self.num_steps}")
         _check_compile("rollout", self.compile)

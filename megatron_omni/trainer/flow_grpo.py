@@ -88,6 +88,11 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
             for k, p in enumerate(picks) for i in range(r.group_size)]
 
 
+def engine_config(rollout) -> EngineConfig:
+    """The embedded engine's settings from the run's ``rollout`` section."""
+    return EngineConfig(max_num_seqs=rollout.max_num_seqs, fuse=rollout.fuse, text_pad_multiple=rollout.text_pad_multiple)
+
+
 def reuses_uncond(cfg: RunConfig) -> bool:
     """Whether the rollout keeps its uncond outputs for the trainer to reuse (true CFG and the switch on)."""
     return cfg.algorithm.reuse_rollout_uncond and cfg.rollout.guidance_scale > 1
@@ -149,8 +154,7 @@ def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
             _apply_lora(model, cfg)
         if cfg.rollout.compile:
             compile_blocks(model, cfg.rollout.compile)
-        return EmbeddedEngine(model, arch, task.encode, EngineConfig(max_num_seqs=cfg.rollout.max_num_seqs,
-                                                                  fuse=cfg.rollout.fuse))
+        return EmbeddedEngine(model, arch, task.encode, engine_config(cfg.rollout))
     engines = None
     if state.rank == 0:
         s = cfg.sync
@@ -242,7 +246,8 @@ def logprob_consistency(run: FlowGRPORun, trajs: list[Trajectory], text) -> dict
     """Decision 6: the trainer re-scores the rollout's trained steps; mean |Δ log p| and Pearson r.  It runs
     before any update of this RL step, so the rollout's uncond outputs stand in for the uncond rows."""
     mbs = grpo_microbatches(trajs, torch.zeros(len(trajs)), text, run.cfg.train.micro_batch_size,
-                            reuse_uncond=reuses_uncond(run.cfg))
+                            reuse_uncond=reuses_uncond(run.cfg),
+                            text_pad_multiple=run.cfg.rollout.text_pad_multiple)
     out, _ = run_microbatches(run.policy, run.forward_step, mbs, forward_only=True, collect_non_loss_data=True)
     trainer_lp = torch.cat([o["log_prob"] for o in out]).cpu()
     rollout_lp = torch.cat([mb.old_log_prob for mb in mbs]).cpu()
@@ -261,7 +266,8 @@ def optimizer_step_batches(mbs: list, per_opt_step: int) -> list[list]:
 def train_on(run: FlowGRPORun, trajs: list[Trajectory], advantages: torch.Tensor, text) -> dict[str, float]:
     """Optimizer steps over all (sample, trained step) pairs, ``train.global_batch_size`` pairs each."""
     mbs = grpo_microbatches(trajs, advantages, text, run.cfg.train.micro_batch_size,
-                            reuse_uncond=reuses_uncond(run.cfg))
+                            reuse_uncond=reuses_uncond(run.cfg),
+                            text_pad_multiple=run.cfg.rollout.text_pad_multiple)
     per_opt_step = max(1, run.cfg.train.global_batch_size // run.cfg.train.micro_batch_size)
     metrics, norms = [], []
     for batch in optimizer_step_batches(mbs, per_opt_step):
