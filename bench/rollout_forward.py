@@ -3,7 +3,8 @@ diffusers' QwenImageTransformer2DModel, same GPU, same run.  Random init, bf16, 
 tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one table.
 
     python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
-                                    [--no-eager] [--no-reference] [--profile] [--fusion fused unfused qkv-sum] [--lora 64]
+                                    [--no-eager] [--no-reference] [--profile] [--fusion fused unfused qkv-sum]
+                                    [--lora 64]
 
 ``--fusion``: ours with the rollout engine's inference fusions (model_specs.common.fusion: fc1 bias + GELU-tanh in
 the GEMM epilogue, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)

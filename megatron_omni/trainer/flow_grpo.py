@@ -90,7 +90,8 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
 
 def engine_config(rollout) -> EngineConfig:
     """The embedded engine's settings from the run's ``rollout`` section."""
-    return EngineConfig(max_num_seqs=rollout.max_num_seqs, fuse=rollout.fuse, text_pad_multiple=rollout.text_pad_multiple)
+    return EngineConfig(max_num_seqs=rollout.max_num_seqs, fuse=rollout.fuse,
+                        text_pad_multiple=rollout.text_pad_multiple)
 
 
 def reuses_uncond(cfg: RunConfig) -> bool:
