@@ -161,3 +161,32 @@ def test_per_request_noise_follows_each_generator_alone():
     assert torch.equal(z[2], torch.randn(2, 3, generator=torch.Generator().manual_seed(3)))
     assert torch.equal(per_request_noise(gens[1:2], (2, 3), torch.tensor([True]))[0],
                        torch.randn(2, 3, generator=torch.Generator().manual_seed(2)))  # gen 2 did not advance
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_per_request_noise_on_cuda_is_the_cpu_noise_and_a_rollout_reads_it_complete():
+    """The pinned, non-blocking copy gives the device the very CPU draws; a rollout whose forward is still running
+    when the copy is queued (a long kernel ahead of it) samples exactly what the same rollout samples on the CPU."""
+    active = torch.tensor([True, False, True])
+    on_gpu = per_request_noise([torch.Generator().manual_seed(s) for s in (1, 2, 3)], (64, 16), active, "cuda")
+    on_cpu = per_request_noise([torch.Generator().manual_seed(s) for s in (1, 2, 3)], (64, 16), active)
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)
+
+    busy = torch.randn(4096, 4096, device="cuda")
+
+    def velocity(x, i):
+        for _ in range(20):  # keep the GPU busy past the noise copy
+            torch.mm(busy, busy)
+        return -x
+
+    def run(device):
+        gens = [torch.Generator().manual_seed(s) for s in (4, 5)]
+        x = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(9)).to(device)
+        trained = torch.tensor([[True, True, False], [False, True, True]])
+        return rollout(velocity if device == "cuda" else (lambda x, i: -x), x, sigmas(3, 1.0).to(device), "sde",
+                       0.7, trained, lambda i, on: per_request_noise(gens, (8, 4), on, device))
+
+    (lat_g, lp_g), (lat_c, lp_c) = run("cuda"), run("cpu")
+    torch.testing.assert_close(lat_g.cpu(), lat_c, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp_g.cpu(), lp_c, rtol=1e-5, atol=1e-5)
