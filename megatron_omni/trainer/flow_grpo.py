@@ -34,6 +34,7 @@ from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.algorithms import FlowGRPOLossConfig, flow_grpo_forward_step, group_advantages
 from megatron_omni.compile import compile_blocks
 from megatron_omni.config.schema import RunConfig
+from megatron_omni.data.text_layout import padded_length
 from megatron_omni.data.tasks import Task
 from megatron_omni.logging import RunLogger
 from megatron_omni.parallel.state import ParallelState
@@ -42,7 +43,7 @@ from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, 
 from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, SyncError, push_weights
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches, without_reused_uncond
-from megatron_omni.trainer.mfu import device_peak_flops, forward_flops, lora_forward_flops, step_flops
+from megatron_omni.trainer.mfu import device_peak_flops, forward_flops, lora_forward_flops, varlen_step_flops
 from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
 from model_specs.qwen_image.model import QwenImageModel
@@ -333,7 +334,7 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
     times["sync_seconds"] = time.perf_counter() - t3
     step_seconds = time.perf_counter() - t0
     metrics = {f"{k}_mean": float(v.mean()) for k, v in scores.items()}
-    metrics.update(_utilisation(cfg, run.task, trajs, step_seconds))
+    metrics.update(_utilisation(cfg, run.task, trajs, step_seconds, text))
     metrics.update({f"{k}_std": float(v.std()) for k, v in scores.items()})
     metrics.update(zero_std_ratio=adv.zero_std_ratio, lr=cfg.train.lr, **train_metrics, **check, **times,
                    step_seconds=step_seconds, images_per_second=len(trajs) / step_seconds,
@@ -341,23 +342,33 @@ def rl_step(run: FlowGRPORun, step: int) -> dict[str, Any]:
     return {"metrics": metrics, "images": images}
 
 
-def _utilisation(cfg: RunConfig, task: Task, trajs: list[Trajectory], seconds: float) -> dict[str, float]:
+def _utilisation(cfg: RunConfig, task: Task, trajs: list[Trajectory], seconds: float, text) -> dict[str, float]:
     """Achieved TFLOP/s of the step's DiT work, and MFU where the device's peak is known.  Counts the
-    forwards actually run: no uncond rows where the rollout's uncond output was reused; with LoRA, no weight
-    gradients of the frozen base and the adapters' own FLOPs."""
-    image_tokens = task.img_fhw[0] * task.img_fhw[1] * task.img_fhw[2]
-    per_row = forward_flops(cfg.model.arch, 1, image_tokens, cfg.data.text_max_tokens)
-    adapter = lora_forward_flops(cfg.model.arch, cfg.lora.rank, cfg.lora.targets, 1, image_tokens,
-                                 cfg.data.text_max_tokens)
-    cfg_rows = 2 if cfg.rollout.guidance_scale > 1 else 1
-    pairs = int(sum(int(t.trained.sum()) for t in trajs))
-    check = int(sum(int(t.trained.sum()) for t in trajs[: cfg.algorithm.logprob_check_samples]))
+    forwards actually run, each row at the text length it ran at (``text``: prompt -> (embedding, mask), laid
+    out as the engine lays it out): no uncond rows where the rollout's uncond output was reused; with LoRA, no
+    weight gradients of the frozen base and the adapters' own FLOPs."""
+    arch, image_tokens = cfg.model.arch, task.img_fhw[0] * task.img_fhw[1] * task.img_fhw[2]
+    lengths = {}
+
+    def length(prompt: str) -> int:
+        if prompt not in lengths:
+            emb, mask = text[prompt]
+            lengths[prompt] = padded_length([emb.shape[0] if mask is None else int(mask.sum())],
+                                            cfg.rollout.text_pad_multiple)
+        return lengths[prompt]
+
+    def per_row(n: int) -> tuple[float, float]:
+        return (forward_flops(arch, 1, image_tokens, n),
+                lora_forward_flops(arch, cfg.lora.rank, cfg.lora.targets, 1, image_tokens, n))
+
+    with_cfg = cfg.rollout.guidance_scale > 1
+    samples = [(length(t.request.prompt), length(t.request.negative_prompt) if with_cfg else None,
+                int(t.trained.sum())) for t in trajs]
+    pairs = sum(n for _, _, n in samples)
     reused = min(pairs, max(cfg.train.global_batch_size, cfg.train.micro_batch_size)) if reuses_uncond(cfg) else 0
-    check_rows = check * (1 if reuses_uncond(cfg) else cfg_rows)
-    extra = (pairs - reused) * (cfg_rows - 1)  # uncond rows of the optimizer steps that recompute them
-    reference = pairs * cfg_rows if cfg.algorithm.kl_beta > 0 else 0  # the KL reference's own rows, adapters off
-    flops = step_flops(per_row, len(trajs) * cfg.rollout.num_steps * cfg_rows, check_rows, pairs, extra,
-                       frozen_base=cfg.lora.rank > 0, adapter_flops_per_row=adapter, reference_rows=reference)
+    flops = varlen_step_flops(per_row, samples, rollout_steps=cfg.rollout.num_steps, frozen_base=cfg.lora.rank > 0,
+                              reused_uncond_pairs=reused, check_samples=cfg.algorithm.logprob_check_samples,
+                              check_reuses_uncond=reuses_uncond(cfg), kl=cfg.algorithm.kl_beta > 0)
     out = {"tflops_per_second": flops / seconds / 1e12}
     peak = device_peak_flops(DTYPES[cfg.model.dtype])
     if peak:

@@ -15,6 +15,7 @@ row (forward, activation gradient, adapter weight gradient); the KL reference ru
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -90,6 +91,41 @@ def flow_grpo_flops(forward_flops_per_row: float, *, samples: int, rollout_steps
             "train": step_flops(forward_flops_per_row, 0, 0, trained_pairs, uncond_forwards, frozen_base,
                                 adapter_flops_per_row),
             "check": step_flops(forward_flops_per_row, 0, check_rows, 0, adapter_flops_per_row=adapter_flops_per_row)}
+
+
+def varlen_step_flops(per_row: Callable[[int], tuple[float, float]], trajectories: list[tuple[int, int | None, int]],
+                      *, rollout_steps: int, frozen_base: bool, reused_uncond_pairs: int = 0, check_samples: int = 0,
+                      check_reuses_uncond: bool = False, kl: bool = False) -> float:
+    """FLOPs of one FlowGRPO step whose rows run at different text lengths (each prompt and negative prompt at its
+    own, as the rollout engine and the trainer lay text out), as ``step_flops`` counts them row by row.
+
+    ``trajectories``: per sample in training order, (its prompt's text length, its negative prompt's or None
+    without CFG, its trained pairs); ``per_row(L)``: (base forward FLOPs, adapter FLOPs) of one row at text
+    length L.  Rows: the rollout's steps (cond and uncond); per trained pair a cond forward + backward, an uncond
+    forward unless among the first ``reused_uncond_pairs`` pairs (the rollout's output reused); the log-prob check
+    of the first ``check_samples`` samples' pairs (cond rows only when ``check_reuses_uncond``); with ``kl`` the
+    reference's cond and uncond rows (base only)."""
+    forward, train, reference = Counter(), Counter(), Counter()  # text length -> rows
+    reused_left = reused_uncond_pairs
+    for i, (cond, uncond, pairs) in enumerate(trajectories):
+        forward[cond] += rollout_steps
+        train[cond] += pairs
+        reference[cond] += pairs if kl else 0
+        if i < check_samples:
+            forward[cond] += pairs
+        if uncond is None:
+            continue
+        reused = min(pairs, reused_left)
+        reused_left -= reused
+        forward[uncond] += rollout_steps + (pairs - reused) + (pairs if i < check_samples and not check_reuses_uncond
+                                                               else 0)
+        reference[uncond] += pairs if kl else 0
+    total = 0.0
+    for length in forward.keys() | train.keys():
+        base, adapter = per_row(length)
+        total += step_flops(base, forward[length], 0, train[length], frozen_base=frozen_base,
+                            adapter_flops_per_row=adapter, reference_rows=reference[length])
+    return total
 
 
 def utilisation(flops: float, seconds: float, peak: float | None) -> dict[str, float]:

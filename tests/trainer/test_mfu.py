@@ -69,3 +69,21 @@ def test_adapter_flops_per_phase():
     phases = flow_grpo_flops(1.0, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True,
                              reused_uncond_pairs=32, adapter_flops_per_row=0.1)
     assert phases["rollout"] == pytest.approx(320 * 1.1) and phases["train"] == pytest.approx(64 + 0.3 * 32)
+
+
+def test_varlen_step_flops_counts_each_row_at_its_text_length():
+    """Rows at one text length give step_flops' count; rows at several are counted at their own (by hand)."""
+    from megatron_omni.trainer.mfu import varlen_step_flops
+
+    same = varlen_step_flops(lambda n: (1.0, 0.0), [(128, 128, 2)] * 16, rollout_steps=10, frozen_base=True,
+                             reused_uncond_pairs=32, check_samples=4, check_reuses_uncond=True)
+    assert same == step_flops(1.0, 16 * 10 * 2, 4 * 2, 32, 0, frozen_base=True)
+    # sample 0: prompt of 10 tokens, 2 pairs (both reuse the rollout's uncond), checked with uncond rows;
+    # sample 1: 20 tokens, 1 pair (recomputes its uncond); negative prompt 2 tokens; KL reference on
+    got = varlen_step_flops(lambda n: (float(n), 0.1 * n), [(10, 2, 2), (20, 2, 1)], rollout_steps=3,
+                            frozen_base=True, reused_uncond_pairs=2, check_samples=1, kl=True)
+    by_hand = (10 * (5 + 2 + 2 + 2) + 1 * (5 + 2 + 4)  # 10 tokens: 3 rollout + 2 check forwards, 2 trained, 2 ref
+               + 20 * (3 + 1 + 1 + 1) + 2 * (3 + 1 + 2)  # 20 tokens: 3 rollout forwards, 1 trained, 1 ref
+               + 2 * (9 + 3) + 0.2 * 9)  # 2 tokens: 6 rollout + 2 check + 1 recomputed forwards, 3 ref
+    assert got == pytest.approx(by_hand)
+    assert varlen_step_flops(lambda n: (1.0, 0.0), [(8, None, 2)], rollout_steps=4, frozen_base=False) == 4 + 2 * 3
