@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from _flow_grpo_parts import NEGATIVE, EndToEnd, PhaseTimer, Recipe, synchronize
+from _flow_grpo_parts import NEGATIVE, EndToEnd, PhaseTimer, Recipe, encode_step, synchronize
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.algorithms import FlowGRPOLossConfig, flow_grpo_forward_step, group_advantages
 from megatron_omni.compile import compile_blocks
@@ -120,9 +120,9 @@ def step_prompts(ours: Ours, step: int) -> list[str]:
     return [f'a sign that reads "step {step} prompt {k} rank {rank}"' for k in range(ours.recipe.prompts)]
 
 
-def rollout(ours: Ours, prompts: list[str], emb_NTE: torch.Tensor, step: int) -> list:
-    """The step's trajectories: ``emb_NTE`` holds the prompts' embeddings, then the negative prompt's."""
-    reqs = _requests(ours.recipe, prompts, emb_NTE[:-1], emb_NTE[-1], step, ours.policy.state.dp_rank)
+def rollout(ours: Ours, prompts: list[str], emb_PTE: torch.Tensor, neg_TE: torch.Tensor, step: int) -> list:
+    """The step's trajectories from the prompts' embeddings and the negative prompt's."""
+    reqs = _requests(ours.recipe, prompts, emb_PTE, neg_TE, step, ours.policy.state.dp_rank)
     return ours.engine.generate(reqs)
 
 
@@ -132,9 +132,9 @@ def ours_step(ours: Ours, e2e: EndToEnd, step: int) -> tuple[dict[str, float], d
     recipe, timer = ours.recipe, PhaseTimer(ours.recipe.device)
     prompts = step_prompts(ours, step)
     with timer("text"):
-        emb_NTE = e2e.text.encode(prompts + [NEGATIVE])
+        emb_PTE, neg_TE = encode_step(e2e.text, recipe, prompts)
     with timer("rollout"):
-        trajs = rollout(ours, prompts, emb_NTE, step)
+        trajs = rollout(ours, prompts, emb_PTE, neg_TE, step)
     with timer("decode"):
         images = e2e.decode(torch.stack([t.final_sample for t in trajs]))
     with timer("reward"):
@@ -142,8 +142,8 @@ def ours_step(ours: Ours, e2e: EndToEnd, step: int) -> tuple[dict[str, float], d
         adv = group_advantages(torch.as_tensor(rewards, dtype=torch.float32),
                                torch.tensor([t.request.prompt_id for t in trajs]))
     with timer("train"):
-        real = torch.ones(recipe.text_tokens, dtype=torch.bool, device=recipe.device)
-        table = {p: (e, real) for p, e in zip(prompts + [NEGATIVE], emb_NTE)}
+        table = {p: (e, torch.ones(e.shape[0], dtype=torch.bool, device=recipe.device))
+                 for p, e in zip(prompts + [NEGATIVE], [*emb_PTE, neg_TE])}
         # one optimizer step right after the sync the rollout ran with: the rollout's uncond outputs are the
         # current policy's, so the training forward carries cond rows only (exact; megatron_omni.trainer.flow_grpo)
         mbs = grpo_microbatches(trajs, adv.advantages, table, recipe.micro_batch, reuse_uncond=recipe.reuse_uncond)

@@ -12,12 +12,13 @@ import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 
 from megatron_omni.rewards import AsyncRewardPool, build_reward
-from megatron_omni.trainer.mfu import flow_grpo_flops, forward_flops, lora_forward_flops
+from megatron_omni.trainer.mfu import forward_flops, lora_forward_flops, varlen_step_flops
 from model_specs.common.lora import FLOW_GRPO_TARGETS
 from model_specs.qwen_image.config import QwenImageConfig, tiny_config
 
@@ -33,7 +34,8 @@ class Recipe:
     device: torch.device
     dtype: torch.dtype
     img_fhw: tuple[int, int, int] = (1, 32, 32)  # 512 px / 8 (VAE) / 2 (2x2 packing): 1024 image tokens
-    text_tokens: int = 128  # prompt and negative prompt alike, no padding (BENCHMARKS.md's 1024 + 128 tokens)
+    text_tokens: int = 128  # per prompt, no padding (BENCHMARKS.md's 1024 + 128 tokens)
+    negative_tokens: int | None = None  # the negative prompt's; None = text_tokens (BENCHMARKS.md's shape)
     num_steps: int = 10
     shift: float = 1.714  # e^mu with Qwen-Image's dynamic-shift mu = 0.539 at 1024 image tokens, as a static shift
     guidance: float = 4.0  # true CFG, Qwen-Image's per-token norm rescale
@@ -57,6 +59,10 @@ class Recipe:
     @property
     def samples(self) -> int:
         return self.group * self.prompts
+
+    @property
+    def uncond_tokens(self) -> int:
+        return self.text_tokens if self.negative_tokens is None else self.negative_tokens
 
     @property
     def image_tokens(self) -> int:
@@ -109,15 +115,19 @@ def medians(steps: list[dict[str, float]]) -> dict[str, float]:
 
 def phase_flops(recipe: Recipe, reused_uncond: bool = False, adapters: bool = True) -> dict[str, float]:
     """DiT FLOPs of one step by phase (megatron_omni.trainer.mfu, the LoRA adapters' FLOPs included; with
-    ``adapters=False`` the base model's alone, as this bench counted before 2026-12-01).
-    ``reused_uncond``: the loop trained on the rollout's uncond outputs, so no uncond forward ran in 'train'."""
-    per_row = forward_flops(recipe.arch, 1, recipe.image_tokens, recipe.text_tokens)
-    adapter = lora_forward_flops(recipe.arch, recipe.lora_rank, FLOW_GRPO_TARGETS, 1, recipe.image_tokens,
-                                 recipe.text_tokens) if adapters else 0.0
+    ``adapters=False`` the base model's alone, as this bench counted before 2026-12-01), each row at its text
+    length (the negative prompt's may differ).  ``reused_uncond``: the loop trained on the rollout's uncond
+    outputs, so no uncond forward ran in 'train'."""
+    def per_row(n: int) -> tuple[float, float]:
+        adapter = lora_forward_flops(recipe.arch, recipe.lora_rank, FLOW_GRPO_TARGETS, 1, recipe.image_tokens, n)
+        return forward_flops(recipe.arch, 1, recipe.image_tokens, n), adapter if adapters else 0.0
+
+    uncond = recipe.uncond_tokens if recipe.guidance > 1 else None
     pairs = recipe.samples * recipe.window
-    return flow_grpo_flops(per_row, samples=recipe.samples, rollout_steps=recipe.num_steps, trained_pairs=pairs,
-                           cfg=recipe.guidance > 1, frozen_base=True, reused_uncond_pairs=pairs if reused_uncond else 0,
-                           adapter_flops_per_row=adapter)
+    count = partial(varlen_step_flops, per_row, frozen_base=True)
+    return {"rollout": count([(recipe.text_tokens, uncond, 0)] * recipe.samples, rollout_steps=recipe.num_steps),
+            "train": count([(recipe.text_tokens, uncond, recipe.window)] * recipe.samples, rollout_steps=0,
+                           reused_uncond_pairs=pairs if reused_uncond else 0)}
 
 
 @contextlib.contextmanager
@@ -150,6 +160,15 @@ def free_device_memory(device: torch.device) -> None:
 TEMPLATE_TOKENS = 34  # QwenImagePipeline drops the hidden states of its prompt template's 34 tokens
 
 
+def encode_step(text: "TextEncoder", recipe: Recipe, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the prompts' embeddings [P, T, E], the negative prompt's [T_neg, E]): one encoder call when both have
+    one length, else two."""
+    if recipe.uncond_tokens == recipe.text_tokens:
+        emb_NTE = text.encode(prompts + [NEGATIVE])
+        return emb_NTE[:-1], emb_NTE[-1]
+    return text.encode(prompts), text.encode([NEGATIVE], recipe.uncond_tokens)[0]
+
+
 class TextEncoder:
     """Qwen-Image's text encoder at its shape, random init: transformers' Qwen2.5-VL text model with
     Qwen2.5-VL-7B's language-model config (hidden 3584, 28 layers, 28 query / 4 KV heads, MLP 18944, vocab
@@ -177,15 +196,18 @@ class TextEncoder:
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def describe(self) -> str:
-        full = " (Qwen2.5-VL-7B's language model)" if self.recipe.text_layers == 28 and not self.recipe.smoke else ""
-        return (f"text encoder: transformers Qwen2_5_VLTextModel, random init, {self.recipe.text_layers} layers, "
-                f"{self.params / 1e9:.2f} B params{full}, {TEMPLATE_TOKENS} template + {self.recipe.text_tokens} "
-                f"prompt tokens per prompt")
+        r = self.recipe
+        full = " (Qwen2.5-VL-7B's language model)" if r.text_layers == 28 and not r.smoke else ""
+        negative = f" ({r.uncond_tokens} for the negative prompt)" if r.uncond_tokens != r.text_tokens else ""
+        return (f"text encoder: transformers Qwen2_5_VLTextModel, random init, {r.text_layers} layers, "
+                f"{self.params / 1e9:.2f} B params{full}, {TEMPLATE_TOKENS} template + {r.text_tokens} "
+                f"prompt tokens per prompt{negative}")
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> torch.Tensor:
-        """[N, T, E] last hidden states of the prompt tokens, in the model dtype."""
-        ids = torch.stack([torch.randint(0, self.vocab, (TEMPLATE_TOKENS + self.recipe.text_tokens,),
+    def encode(self, prompts: list[str], tokens: int | None = None) -> torch.Tensor:
+        """[N, T, E] last hidden states of the prompt tokens (T = ``tokens``, default the recipe's), model dtype."""
+        tokens = self.recipe.text_tokens if tokens is None else tokens
+        ids = torch.stack([torch.randint(0, self.vocab, (TEMPLATE_TOKENS + tokens,),
                                          generator=torch.Generator().manual_seed(zlib.crc32(p.encode())))
                            for p in prompts]).to(self.recipe.device)
         out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).last_hidden_state

@@ -56,10 +56,10 @@ def build_reference(recipe: Recipe) -> Reference:
     optimizer = torch.optim.AdamW(trainable, lr=recipe.lr, betas=(0.9, 0.999), weight_decay=0.0,
                                   fused=recipe.device.type == "cuda")
     g = torch.Generator(device=recipe.device).manual_seed(1)
-    txt = torch.randn(recipe.prompts + 1, recipe.text_tokens, recipe.arch.joint_attention_dim, generator=g,
-                      device=recipe.device).to(recipe.dtype)
+    txt, neg = (torch.randn(n, tokens, recipe.arch.joint_attention_dim, generator=g, device=recipe.device).to(
+        recipe.dtype) for n, tokens in ((recipe.prompts, recipe.text_tokens), (1, recipe.uncond_tokens)))
     synchronize(recipe.device)
-    return Reference(recipe, model, optimizer, trainable, txt[:-1], txt[-1], time.perf_counter() - start)
+    return Reference(recipe, model, optimizer, trainable, txt, neg[0], time.perf_counter() - start)
 
 
 def _velocity(ref: Reference, x_BIC: torch.Tensor, txt_BTE: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:
@@ -71,18 +71,24 @@ def _velocity(ref: Reference, x_BIC: torch.Tensor, txt_BTE: torch.Tensor, t_B: t
 
 @torch.no_grad()
 def _rollout_batch(ref: Reference, prompt_B: torch.Tensor, g: torch.Generator, seed: int) -> dict[str, torch.Tensor]:
-    """One batch of B samples: 10 steps, cond + uncond rows in one forward, SDE on the window's steps (one
-    window for the batch, drawn from ``seed``; where it lies does not change the work)."""
+    """One batch of B samples: 10 steps, cond + uncond rows in one forward (two, as diffusers' pipeline runs them,
+    when the negative prompt has another length), SDE on the window's steps (one window for the batch, drawn from
+    ``seed``; where it lies does not change the work)."""
     r = ref.recipe
     sig = sigmas(r.num_steps, r.shift).to(r.device)
     mask_N, _ = sde_window(r.num_steps, r.window, r.window_starts, torch.Generator().manual_seed(seed))
     b = prompt_B.numel()
-    txt_2BTE = torch.cat([ref.txt_PTE[prompt_B], ref.neg_TE.expand(b, -1, -1)])
+    txt_BTE, neg_BTE = ref.txt_PTE[prompt_B], ref.neg_TE.expand(b, -1, -1)
+    joint = txt_BTE.shape == neg_BTE.shape
     x_BIC = torch.randn(b, r.image_tokens, r.arch.in_channels, generator=g, device=r.device)
     kept = {"x_t": [], "x_next": [], "t": [], "t_next": [], "log_prob": []}
     for i in range(r.num_steps):
         t, t_next = sig[i], sig[i + 1]
-        v_c, v_u = _velocity(ref, torch.cat([x_BIC, x_BIC]), txt_2BTE, t.expand(2 * b)).chunk(2)
+        if joint:
+            v_c, v_u = _velocity(ref, torch.cat([x_BIC, x_BIC]), torch.cat([txt_BTE, neg_BTE]),
+                                 t.expand(2 * b)).chunk(2)
+        else:
+            v_c, v_u = (_velocity(ref, x_BIC, txt, t.expand(b)) for txt in (txt_BTE, neg_BTE))
         v_BIC = cfg_combine(v_c, v_u, r.guidance, "token")
         if not mask_N[i]:
             x_BIC = ode_mean_std(x_BIC, v_BIC, t, t_next)[0]

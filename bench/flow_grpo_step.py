@@ -18,10 +18,12 @@ with the device synchronised at both ends.
   DiT side = rollout + train + sync, end to end = all six, one after the other (nothing overlapped).
 * reference: rollout -> train, DiT side only (bench/_flow_grpo_reference.py).  The two models are never
   resident together: ours is freed before the reference is built.
-MFU counts the work each loop runs (megatron_omni.trainer.mfu.flow_grpo_flops with the Qwen-Image FLOP
-counter: 26 forwards per image, 24 for ours when it reuses the rollout's uncond outputs in training (the
-default; --no-reuse-uncond recomputes them); LoRA's own FLOPs not counted) against the measured bf16 peak
-(792 TFLOP/s on an H200, BENCHMARKS.md).
+MFU counts the work each loop runs (megatron_omni.trainer.mfu.varlen_step_flops with the Qwen-Image FLOP
+counters, each row at its text length: 26 forwards per image, 24 for ours when it reuses the rollout's uncond
+outputs in training (the default; --no-reuse-uncond recomputes them); the LoRA adapters' FLOPs counted, and a
+note gives the base model's alone) against the measured bf16 peak (792 TFLOP/s on an H200, BENCHMARKS.md).
+``--negative-tokens N`` gives the negative prompt N tokens (default: as many as a prompt, BENCHMARKS.md's shape):
+ours then runs cond and uncond rows as two unpadded forwards, the reference as diffusers' pipeline does (two).
 """
 from __future__ import annotations
 
@@ -67,14 +69,15 @@ def _profile(ours, e2e, step: int) -> None:
     """One more step with the host's waits for the device listed, then one more rollout under the profiler
     (kernels by kind, the GPU's busy fraction of the wall time: what the rollout loop adds to its forwards)."""
     from _flow_grpo_ours import ours_step, rollout, step_prompts
-    from _flow_grpo_parts import NEGATIVE
+    from _flow_grpo_parts import encode_step
     from _profile import profile_kernels, sync_points
 
     print("--- ours, one more step: where the host waits for the device ---")
     sync_points(lambda: ours_step(ours, e2e, step))
     prompts = step_prompts(ours, step + 1)
-    emb_NTE = e2e.text.encode(prompts + [NEGATIVE])
-    profile_kernels(lambda: rollout(ours, prompts, emb_NTE, step + 1), "ours, one more rollout", top=14, host=True)
+    emb_PTE, neg_TE = encode_step(e2e.text, ours.recipe, prompts)
+    profile_kernels(lambda: rollout(ours, prompts, emb_PTE, neg_TE, step + 1), "ours, one more rollout", top=14,
+                    host=True)
 
 
 def run_ours(recipe: Recipe, steps: int, compile_mode: str | None, compile_train: str | None = None,
@@ -223,17 +226,20 @@ def main(argv=None) -> None:
     p.add_argument("--text-layers", type=int, default=28, help="layers of the text encoder (28 = Qwen2.5-VL-7B)")
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
     p.add_argument("--no-reuse-uncond", action="store_true",
-                   help="ours recomputes the uncond branch in training (cond + uncond batched) instead of reusing the "
-                        "rollout's uncond outputs")
+                   help="ours recomputes the uncond branch in training (its own forward under no_grad) instead of "
+                        "reusing the rollout's uncond outputs")
+    p.add_argument("--negative-tokens", type=int, metavar="N",
+                   help="tokens of the negative prompt (default: as many as a prompt's, 128)")
     p.add_argument("--profile", action="store_true", help="after ours' timed steps, list where a step's host waits")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, < 2 min: checks the script")
     args = p.parse_args(argv)
-    if min(args.steps, args.group, args.prompts, args.text_layers, args.micro_batch) < 1:
+    if min(args.steps, args.group, args.prompts, args.text_layers, args.micro_batch, args.negative_tokens or 1) < 1:
         p.error(f"--steps {args.steps}, --group {args.group}, --prompts {args.prompts}, --text-layers "
-                f"{args.text_layers}, --micro-batch {args.micro_batch}: expected integers >= 1")
+                f"{args.text_layers}, --micro-batch {args.micro_batch}, --negative-tokens {args.negative_tokens}: "
+                f"expected integers >= 1")
     steps = min(args.steps, 2) if args.smoke else args.steps
     overrides = dict(group=args.group, prompts=args.prompts, reuse_uncond=not args.no_reuse_uncond,
-                     micro_batch=args.micro_batch)
+                     micro_batch=args.micro_batch, negative_tokens=args.negative_tokens)
     if not args.smoke:
         overrides["text_layers"] = args.text_layers
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -75,24 +75,6 @@ def step_flops(forward_flops_per_row: float, rollout_rows: int, check_rows: int,
             + adapter_flops_per_row * (policy_forwards + 2 * train_rows))  # adapters: A and B get weight gradients
 
 
-def flow_grpo_flops(forward_flops_per_row: float, *, samples: int, rollout_steps: int, trained_pairs: int,
-                    cfg: bool, frozen_base: bool, check_pairs: int = 0, reused_uncond_pairs: int = 0,
-                    check_reuses_uncond: bool = False, adapter_flops_per_row: float = 0.0) -> dict[str, float]:
-    """FLOPs of one FlowGRPO step by phase.  rollout: every sample's steps, two rows each with true CFG;
-    train: per (sample, step) pair the cond forward and backward, and the uncond forward with CFG except for
-    the ``reused_uncond_pairs`` that took the rollout's uncond output (no forward ran for it);
-    check: the trainer's log-prob recomputation of ``check_pairs`` pairs (forwards; cond rows only when
-    ``check_reuses_uncond``).  ``adapter_flops_per_row``: as in ``step_flops``."""
-    rows = 2 if cfg else 1
-    uncond_forwards = (trained_pairs - reused_uncond_pairs) if cfg else 0
-    check_rows = check_pairs * (1 if check_reuses_uncond else rows)
-    return {"rollout": step_flops(forward_flops_per_row, samples * rollout_steps * rows, 0, 0,
-                                  adapter_flops_per_row=adapter_flops_per_row),
-            "train": step_flops(forward_flops_per_row, 0, 0, trained_pairs, uncond_forwards, frozen_base,
-                                adapter_flops_per_row),
-            "check": step_flops(forward_flops_per_row, 0, check_rows, 0, adapter_flops_per_row=adapter_flops_per_row)}
-
-
 def varlen_step_flops(per_row: Callable[[int], tuple[float, float]], trajectories: list[tuple[int, int | None, int]],
                       *, rollout_steps: int, frozen_base: bool, reused_uncond_pairs: int = 0, check_samples: int = 0,
                       check_reuses_uncond: bool = False, kl: bool = False) -> float:

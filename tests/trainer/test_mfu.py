@@ -1,7 +1,7 @@
 """The FLOP counters behind the MFU the trainer and the benchmarks report (BENCHMARKS.md's accounting)."""
 import pytest
 
-from megatron_omni.trainer.mfu import flow_grpo_flops, forward_flops, step_flops
+from megatron_omni.trainer.mfu import forward_flops, step_flops, varlen_step_flops
 from model_specs.qwen_image.config import QwenImageConfig
 from model_specs.qwen_image.flops import forward_flops as qwen_image_forward_flops
 
@@ -14,13 +14,21 @@ def test_forward_flops_dispatch_by_family():
         forward_flops({}, 1, 1, 1)
 
 
+def _phases(samples=16, steps=10, window=2, cfg=True, frozen=True, per_row=lambda n: (1.0, 0.0), **kw):
+    """{rollout, train} FLOPs of the recipe's shape: rollout rows alone (no pairs), then training alone."""
+    uncond = 128 if cfg else None
+    return {"rollout": varlen_step_flops(per_row, [(128, uncond, 0)] * samples, rollout_steps=steps,
+                                         frozen_base=frozen),
+            "train": varlen_step_flops(per_row, [(128, uncond, window)] * samples, rollout_steps=0,
+                                       frozen_base=frozen, **kw)}
+
+
 def test_lora_cfg_recipe_is_26_forwards_per_image():
     """10 rollout steps x 2 (CFG) + 2 window steps x (cond forward + uncond forward + activation backward)."""
-    f = 1.0
-    phases = flow_grpo_flops(f, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True)
-    assert phases == {"rollout": 320.0, "train": 96.0, "check": 0.0}
+    phases = _phases()
+    assert phases == {"rollout": 320.0, "train": 96.0}
     assert (phases["rollout"] + phases["train"]) / 16 == 26
-    full = flow_grpo_flops(f, samples=16, rollout_steps=10, trained_pairs=32, cfg=False, frozen_base=False)
+    full = _phases(cfg=False, frozen=False)
     assert full["train"] == 32 * 3 and full["rollout"] == 160
 
 
@@ -31,13 +39,12 @@ def test_step_flops_backward_of_a_frozen_base():
 
 def test_reused_uncond_counts_no_uncond_forward():
     """With the rollout's uncond output reused, a trained pair of the LoRA + CFG recipe is 2 forward-equivalents
-    (cond forward + activation backward): 24 per image instead of 26."""
-    phases = flow_grpo_flops(1.0, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True,
-                             reused_uncond_pairs=32, check_pairs=4, check_reuses_uncond=True)
-    assert phases == {"rollout": 320.0, "train": 64.0, "check": 4.0}
-    half = flow_grpo_flops(1.0, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True,
-                           reused_uncond_pairs=16)
-    assert half["train"] == 32 * 2 + 16
+    (cond forward + activation backward): 24 per image instead of 26; the log-prob check then runs cond rows."""
+    assert _phases(reused_uncond_pairs=32) == {"rollout": 320.0, "train": 64.0}
+    assert _phases(reused_uncond_pairs=16)["train"] == 32 * 2 + 16
+    check = varlen_step_flops(lambda n: (1.0, 0.0), [(128, 128, 2)] * 16, rollout_steps=0, frozen_base=True,
+                              reused_uncond_pairs=32, check_samples=2, check_reuses_uncond=True)
+    assert check == 64 + 4
 
 
 def test_lora_adapter_flops_qwen_image():
@@ -66,15 +73,12 @@ def test_adapter_flops_per_phase():
     """Policy forwards carry A each, a trained row 3·A; the KL reference's rows the base alone."""
     assert step_flops(1.0, 10, 2, 4, 4, frozen_base=True, adapter_flops_per_row=0.5, reference_rows=3) \
         == (10 + 2 + 8 + 4 + 3) + 0.5 * (10 + 2 + 4 + 4 + 2 * 4)
-    phases = flow_grpo_flops(1.0, samples=16, rollout_steps=10, trained_pairs=32, cfg=True, frozen_base=True,
-                             reused_uncond_pairs=32, adapter_flops_per_row=0.1)
+    phases = _phases(per_row=lambda n: (1.0, 0.1), reused_uncond_pairs=32)
     assert phases["rollout"] == pytest.approx(320 * 1.1) and phases["train"] == pytest.approx(64 + 0.3 * 32)
 
 
 def test_varlen_step_flops_counts_each_row_at_its_text_length():
     """Rows at one text length give step_flops' count; rows at several are counted at their own (by hand)."""
-    from megatron_omni.trainer.mfu import varlen_step_flops
-
     same = varlen_step_flops(lambda n: (1.0, 0.0), [(128, 128, 2)] * 16, rollout_steps=10, frozen_base=True,
                              reused_uncond_pairs=32, check_samples=4, check_reuses_uncond=True)
     assert same == step_flops(1.0, 16 * 10 * 2, 4 * 2, 32, 0, frozen_base=True)
