@@ -7,7 +7,7 @@ tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one tab
                                     [--lora 64]
 
 ``--fusion``: ours with the rollout engine's inference fusions (model_specs.common.fusion: fc1 bias + GELU-tanh in
-the GEMM epilogue of inductor's tuned GEMM — ``untuned``: cuBLASLt's —, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)
+the GEMM epilogue, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)
 and / or without them (megatron-core's MLP, the norms, RoPE and concatenation as torch.compile fuses them).  ``--lora R``: ours with LoRA rank R on the FlowGRPO targets
 (nonzero B), as the rollout of a LoRA run computes; the fused MLP then folds fc1's adapter into its GEMM.
 
@@ -57,7 +57,7 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
     if fused:
         from model_specs.common.fusion import fuse_inference
 
-        fuse_inference(model, strict=True, autotune=fused != "untuned")
+        fuse_inference(model, strict=True)
     if fused == "qkv-sum":  # the QKV's bias and LoRA output added by their own pass (the path before 2026-12-01)
         import model_specs.qwen_image.layers as layers
         from model_specs.common.fusion import column_parts
@@ -125,9 +125,8 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
     p.add_argument("--no-eager", action="store_true", help="time ours only under the --compile modes")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
-    p.add_argument("--fusion", nargs="+", choices=("fused", "untuned", "unfused", "qkv-sum"), default=["fused"],
-                   help="ours with the engine's inference fusions, and / or without; untuned: fused, but fc1 + GELU "
-                        "as cuBLASLt's epilogue instead of inductor's tuned GEMM; qkv-sum: fused, but a LoRA'd "
+    p.add_argument("--fusion", nargs="+", choices=("fused", "unfused", "qkv-sum"), default=["fused"],
+                   help="ours with the engine's inference fusions, and / or without; qkv-sum: fused, but a LoRA'd "
                         "QKV's bias and adapter output summed by their own pass, not in the q / k norm kernel")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on the FlowGRPO targets (0 = none)")
     args = p.parse_args()

@@ -160,9 +160,6 @@ class RolloutConfig:
     # the engine's inference fusions (model_specs.common.fusion): GELU in fc1's GEMM epilogue, q/k norm + RoPE in
     # one kernel; false = the model's plain forward (the trainer's math, op for op)
     fuse: bool = True
-    # with fuse, on CUDA: fc1 + GELU as inductor's max-autotune GEMM (tuned at each shape's first forward, cached on
-    # disk); false = cuBLASLt's GELU epilogue
-    gemm_autotune: bool = True
 
     def validate(self) -> None:
         _require_positive("rollout", prompts_per_step=self.prompts_per_step, group_size=self.group_size,

@@ -108,10 +108,6 @@ class EngineConfig:
     # inference fusions (model_specs.common.fusion): fc1's bias + GELU in the GEMM epilogue (fc1's LoRA folded
     # into that GEMM), q / k norm + RoPE + joint layout in one kernel; modules that cannot fuse keep their path
     fuse: bool = True
-    # on CUDA, fc1 + GELU (the fused MLP) as inductor's max-autotune GEMM, tuned per shape at its first forward (and
-    # cached on disk by inductor); false = cuBLASLt's GELU epilogue.  677 -> 807 TFLOP/s at the rollout's image fc1
-    # on an H200 (bench/gemm_shapes.py)
-    gemm_autotune: bool = True
 
 
 @dataclass
@@ -221,7 +217,7 @@ class EmbeddedEngine:
             raise ValueError(f"the model predicts {arch.out_features} channels per token but takes "
                              f"{arch.in_channels}; a velocity must have the latent's shape")
         self.model, self.arch, self.encode_prompts = model.eval(), arch, encode_prompts
-        self.fused = fuse_inference(model, autotune=self.config.gemm_autotune) if self.config.fuse else 0
+        self.fused = fuse_inference(model) if self.config.fuse else 0
         self.tp_rank, self.tp_size = tp_rank, tp_size
         first = next(model.parameters())
         self._device, self._dtype = first.device, first.dtype

@@ -91,7 +91,7 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
 
 def engine_config(rollout) -> EngineConfig:
     """The embedded engine's settings from the run's ``rollout`` section."""
-    return EngineConfig(max_num_seqs=rollout.max_num_seqs, fuse=rollout.fuse, gemm_autotune=rollout.gemm_autotune,
+    return EngineConfig(max_num_seqs=rollout.max_num_seqs, fuse=rollout.fuse,
                         text_pad_multiple=rollout.text_pad_multiple)
 
 

@@ -50,18 +50,15 @@ def _members(model: torch.nn.Module):
     return ((name, m) for name, m in model.named_modules() if callable(getattr(m, "fusable", None)))
 
 
-def fuse_inference(model: torch.nn.Module, enable: bool = True, strict: bool = False, autotune: bool = False) -> int:
+def fuse_inference(model: torch.nn.Module, enable: bool = True, strict: bool = False) -> int:
     """Switch every member of ``model`` that can fuse to its fused path (``enable=False``: all back to the
     plain one) and build what it derives from the weights; returns how many are fused.  The others keep
-    their plain path, or with ``strict`` raise ValueError naming the first and why.  ``autotune``: members
-    with an ``autotune`` flag run their fused GEMM as inductor's tuned kernel on CUDA (``gelu_mlp``)."""
+    their plain path, or with ``strict`` raise ValueError naming the first and why."""
     count = 0
     for name, m in _members(model):
         why = m.fusable() if enable else "disabled"
         if why and enable and strict:
             raise ValueError(f"fuse_inference: {name} ({type(m).__name__}) cannot take its fused path: {why}")
-        if hasattr(m, "autotune"):
-            m.autotune = autotune and not why
         m.fused = not why
         m.refresh_fused()
         count += m.fused

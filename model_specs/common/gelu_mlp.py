@@ -19,12 +19,6 @@ on its own — it is inside the measured rollout).
 
 Only the CUDA kernel fuses; elsewhere the same math runs as addmm then GELU-tanh (the CPU's
 ``_addmm_activation`` computes the exact-erf GELU, not the tanh form this model uses).
-
-``autotune`` (the engine's ``EngineConfig.gemm_autotune``): on CUDA the same product as inductor's max-autotune
-GEMM instead of cuBLASLt's epilogue — it times cuBLAS against its Triton templates per shape and fuses bias +
-GELU-tanh into the winner.  Why: at the rollout's image fc1 ([32768, 3072] x [3072, 12288], H200) cuBLASLt's
-GELU epilogue ran at 677 TFLOP/s, plain cuBLAS at 728, inductor's tuned GEMM at 807 (bench/gemm_shapes.py,
-bench/RESULTS.md).  The tuning runs at a shape's first call (seconds; inductor caches the result on disk).
 """
 from __future__ import annotations
 
@@ -42,53 +36,25 @@ def _is_gelu_tanh(fn) -> bool:
     return isinstance(fn, functools.partial) and fn.func is F.gelu and fn.keywords == {"approximate": "tanh"}
 
 
-def _addmm_gelu_tanh(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor) -> torch.Tensor:
+def linear_gelu_tanh(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x W^T + b) for 2-D x, in the GEMM's epilogue on CUDA."""
+    if x_MK.is_cuda:
+        return torch._addmm_activation(bias_N, x_MK, weight_NK.t(), use_gelu=True)
     return F.gelu(torch.addmm(bias_N, x_MK, weight_NK.t()), approximate="tanh")
-
-
-@functools.cache
-def _autotuned():
-    from megatron_omni.compile import RECOMPILE_LIMIT
-
-    # one graph per shape (the engine's row counts x the streams' token counts)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(_addmm_gelu_tanh, mode="max-autotune-no-cudagraphs", dynamic=False)
-
-
-def linear_gelu_tanh(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor,
-                     autotune: bool = False) -> torch.Tensor:
-    """gelu_tanh(x W^T + b) for 2-D x, in the GEMM's epilogue on CUDA (inductor's tuned GEMM with ``autotune``)."""
-    if not x_MK.is_cuda:
-        return _addmm_gelu_tanh(x_MK, weight_NK, bias_N)
-    if autotune:
-        return _autotuned()(x_MK, weight_NK, bias_N)
-    return torch._addmm_activation(bias_N, x_MK, weight_NK.t(), use_gelu=True)
-
-
-@torch.library.custom_op("megatron_omni::tuned_linear_gelu_tanh", mutates_args=())
-def tuned_linear_gelu_tanh(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor) -> torch.Tensor:
-    """``linear_gelu_tanh(..., autotune=True)`` as one opaque op, forward only: a compiled block calls the tuned
-    GEMM's own graph rather than inlining its max-autotune product into the block's ``default``-mode graph."""
-    return linear_gelu_tanh(x_MK, weight_NK, bias_N, autotune=True)
-
-
-@tuned_linear_gelu_tanh.register_fake
-def _(x_MK, weight_NK, bias_N):
-    return x_MK.new_empty(x_MK.shape[0], weight_NK.shape[0])
 
 
 @torch.library.custom_op("megatron_omni::lora_linear_gelu_tanh", mutates_args=())
 def lora_linear_gelu_tanh(x_MK: torch.Tensor, a_RK: torch.Tensor, scaling: float, w_cat_NK: torch.Tensor,
-                          bias_N: torch.Tensor, autotune: bool = False) -> torch.Tensor:
+                          bias_N: torch.Tensor) -> torch.Tensor:
     """gelu_tanh([x | s x A^T] [W | B]^T + b), forward only.  One opaque op: torch.compile keeps the skinny
     x A^T product on x's own contiguous buffer (0.07 ms at the rollout's [32 k, 3072] x [3072, 64] on an H200,
     bench/lora_projection.py) and the concatenation a plain copy feeding the epilogue GEMM."""
     h_MR = F.linear(x_MK, a_RK) * scaling
-    return linear_gelu_tanh(torch.cat([x_MK, h_MR], dim=-1), w_cat_NK, bias_N, autotune)
+    return linear_gelu_tanh(torch.cat([x_MK, h_MR], dim=-1), w_cat_NK, bias_N)
 
 
 @lora_linear_gelu_tanh.register_fake
-def _(x_MK, a_RK, scaling, w_cat_NK, bias_N, autotune=False):
+def _(x_MK, a_RK, scaling, w_cat_NK, bias_N):
     return x_MK.new_empty(x_MK.shape[0], w_cat_NK.shape[0])
 
 
@@ -97,7 +63,6 @@ class GeluMLP(MLP):
     autograd is off; otherwise exactly megatron-core's forward."""
 
     fused = False  # set by model_specs.common.fusion.fuse_inference
-    autotune = False  # likewise: fc1's GEMM as inductor's tuned kernel (CUDA)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -139,10 +104,8 @@ class GeluMLP(MLP):
         if isinstance(fc1, LoRALinear) and fc1.enabled:
             if self.fused_weight is None:
                 raise RuntimeError("GeluMLP: fused with a LoRA adapter on fc1 but refresh_fused() was not called")
-            act = lora_linear_gelu_tanh(x_MK, fc1.lora_A[0], fc1.scaling, self.fused_weight, fc1.base.bias,
-                                        self.autotune)
+            act = lora_linear_gelu_tanh(x_MK, fc1.lora_A[0], fc1.scaling, self.fused_weight, fc1.base.bias)
         else:
             base = fc1.base if isinstance(fc1, LoRALinear) else fc1
-            tuned = self.autotune and x_MK.is_cuda
-            act = (tuned_linear_gelu_tanh if tuned else linear_gelu_tanh)(x_MK, base.weight, base.bias)
+            act = linear_gelu_tanh(x_MK, base.weight, base.bias)
         return self.linear_fc2(act.view(*hidden_states.shape[:-1], -1))
