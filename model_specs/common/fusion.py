@@ -29,19 +29,17 @@ def plain_column(linear: torch.nn.Module) -> bool:
 
 def column_parts(linear: torch.nn.Module, x: torch.Tensor):
     """``linear(x)``'s output for a consumer that adds the bias and a LoRA adapter's output itself, as
-    (product [.., O], bias [O] or None, the adapter's ``LowRank`` factors or None); product + bias + the
-    adapter's output is ``linear(x)[0]``.
+    (product [.., O], bias [O] or None, LoRA output [.., O] or None); their sum is ``linear(x)[0]``.
 
     - a ``plain_column``: one addmm (megatron's local linear adds its bias in a separate pass over the output,
       which torch.compile fuses only into a pointwise consumer), nothing left to add;
-    - a ``LoRALinear`` (enabled, column-parallel) on a ``plain_column``: x W^T, the bias and the adapter's factors
-      h = A x and (alpha/r) B apart, so that the consumer reads the product once and applies B itself instead
-      of a GEMM writing the adapter's [.., O] output and the consumer reading it back;
+    - a ``LoRALinear`` (enabled, column-parallel) on a ``plain_column``: x W^T, the bias and the adapter's output
+      apart, so that the consumer reads them once instead of a pass writing their sum first;
     - anything else: its own forward.
     """
     if isinstance(linear, LoRALinear) and linear.enabled and linear.kind == COLUMN and plain_column(linear.base):
         product = torch.mm(x.reshape(-1, x.shape[-1]), linear.base.weight.t()).view(*x.shape[:-1], -1)
-        return product, linear.base.bias, linear.factors(x)
+        return product, linear.base.bias, linear.low_rank(x)
     if plain_column(linear):
         product = torch.addmm(linear.bias, x.reshape(-1, x.shape[-1]), linear.weight.t())
         return product.view(*x.shape[:-1], -1), None, None

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -120,16 +120,6 @@ def _init_A(name: str, seed: int, rank: int, n_in: int) -> torch.Tensor:
     return (torch.rand(rank, n_in, generator=g, dtype=torch.float64, device="cpu") * 2 - 1).mul_(bound).float()
 
 
-class LowRank(NamedTuple):
-    """A column-parallel adapter's output as its factors: h = A x [.., P*r]; (alpha / r) * B [P, O_local, r] (the
-    same bf16 product ``_up_weight`` lays out); per stacked projection of the base (q, k, v of a fused QKV), the
-    column of h where its part's r inputs start, -1 where it has no adapter.  Part j's output is
-    h[.., c:c+r] B[j]^T, in the projection's own row layout (head-major: row = head * D + d)."""
-    h: torch.Tensor
-    b_scaled: torch.Tensor
-    columns: tuple[int, ...]
-
-
 class LoRALinear(torch.nn.Module):
     """base(x) + (alpha / r) * B A x on a frozen base linear; returns what the base returns.
 
@@ -170,13 +160,6 @@ class LoRALinear(torch.nn.Module):
 
     def low_rank(self, x: torch.Tensor) -> torch.Tensor:
         """(alpha / r) * B A x with this rank's slice of the base's output layout."""
-        y = torch.nn.functional.linear(self.down(x), self._up_weight())
-        if self.kind == COLUMN and self.base.gather_output:
-            y = gather_from_tensor_model_parallel_region(y, group=self.tp_group)
-        return y
-
-    def down(self, x: torch.Tensor) -> torch.Tensor:
-        """h = A x [.., P*r], the adapter parts' inputs to B side by side (a row-parallel base's summed over TP)."""
         group = self.tp_group
         if self.kind == ROW and not self.base.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, group=group)
@@ -186,14 +169,10 @@ class LoRALinear(torch.nn.Module):
             h = copy_to_tensor_model_parallel_region(h, group=group)  # backward: sum the partial dh over TP
         elif self.kind == ROW:
             h = reduce_from_tensor_model_parallel_region(h, group=group)  # forward: sum A_local x_local over TP
-        return h
-
-    def factors(self, x: torch.Tensor) -> "LowRank":
-        """``low_rank(x)`` unmultiplied, for a consumer that applies B itself (column-parallel, no output gather)."""
-        columns = [-1] * self.target.n_fused
-        for j, part in enumerate(self.target.parts):
-            columns[part] = j * self.rank
-        return LowRank(self.down(x), self.lora_B * self.scaling, tuple(columns))
+        y = torch.nn.functional.linear(h, self._up_weight())
+        if self.kind == COLUMN and self.base.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, group=group)
+        return y
 
     def _up_weight(self) -> torch.Tensor:
         """(alpha / r) * B as ONE [O_local, P*r] matrix in the base's output layout: part j's rows read h's

@@ -7,11 +7,6 @@ full-size Qwen-Image at batch 32 that was 92 ms of a 975 ms compiled rollout for
 which reads each stream's fused QKV output once and writes q, k and v once (~1.4 GB per block), took 36 ms
 (bench/RESULTS.md).
 
-A LoRA adapter on the QKV is applied here too: the kernel gets its factors h = A x [S, B, P*r] and (alpha/r) B,
-and each program (a tile of rows x one head) multiplies its rows of h by that head's [r, D] slice of B with
-tl.dot — instead of a GEMM writing the adapter's [S, B, N*3D] output (as wide as the QKV itself) for this
-pass to read back.  The product is rounded to the QKV's dtype before the float32 sum, as that GEMM rounded it.
-
 The Triton kernel has no backward: it runs under no_grad on CUDA (the rollout engine, ``fuse_inference``).
 Everywhere else the same function runs as torch ops (``_reference``), the math of the unfused model:
 RMSNorm in float32 rounded to the input dtype, then the float32 rotation of ``conditioning.apply_rope``.
@@ -23,12 +18,9 @@ for Megatron's [S, B, N, D].
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from model_specs.common.lora import LowRank
 from model_specs.qwen_image.conditioning import apply_rope
 
 try:
@@ -51,27 +43,12 @@ def _summed(qkv, bias, lora):
     return out.to(qkv.dtype)
 
 
-def _adapter_output(qkv, low_rank: LowRank | None, heads: int):
-    """[S, B, N*3D] a LoRA adapter's output from its factors, in the fused QKV's layout (rows interleaved per
-    head), each part rounded to qkv's dtype as the GEMM writing it (``LoRALinear.low_rank``) rounds it."""
-    if low_rank is None:
-        return None
-    h, b_scaled, columns = low_rank
-    s, b, r = qkv.shape[0], qkv.shape[1], b_scaled.shape[-1]
-    out = qkv.new_zeros(s, b, heads, 3, qkv.shape[-1] // (3 * heads))
-    for part, c in enumerate(columns):
-        if c >= 0:
-            out[:, :, :, part] = F.linear(h[..., c:c + r], b_scaled[c // r]).view(s, b, heads, -1)
-    return out.view(s, b, -1)
-
-
 def _reference(streams, heads: int, eps: float):
     """Torch ops: the unfused model's math.  ``streams``: (qkv [S, B, N*3D], q_weight, k_weight, freqs[, bias,
-    LowRank])."""
+    lora])."""
     qs, ks, vs = [], [], []
     for qkv, wq, wk, freqs, *added in streams:
-        bias, low_rank = added or (None, None)
-        qkv = _summed(qkv, bias, _adapter_output(qkv, low_rank, heads))
+        qkv = _summed(qkv, *(added or (None, None)))
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, heads, -1).split(qkv.shape[-1] // (3 * heads), dim=-1)
         d = q.shape[-1]
@@ -84,127 +61,86 @@ def _reference(streams, heads: int, eps: float):
 if triton is not None:
     @triton.jit
     def _norm_rope(x, w_e, w_o, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr):
-        """[BM, D] head rows -> RMSNorm (float32, rounded to the input dtype, as the unfused path) -> RoPE with
-        the rows' own [BM, D/2] cos / sin."""
+        """[HB, D] head rows -> RMSNorm (float32, rounded to the input dtype, as the unfused path) -> RoPE."""
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
         a, b = tl.split(tl.reshape(xf, (x.shape[0], HALF, 2)))
         a = (a * rstd[:, None] * w_e[None, :]).to(x.dtype).to(tl.float32)
         b = (b * rstd[:, None] * w_o[None, :]).to(x.dtype).to(tl.float32)
-        out = tl.join(a * cos - b * sin, a * sin + b * cos)
+        out = tl.join(a * cos[None, :] - b * sin[None, :], a * sin[None, :] + b * cos[None, :])
         return tl.reshape(out, (x.shape[0], D)).to(x.dtype)
 
     @triton.jit
-    def _load_part(src, bias, h_rows, b_scaled, bstride_p, bstride_o, rank, head, m, PART: tl.constexpr,
-                   C: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr, R: tl.constexpr, IEEE: tl.constexpr):
-        """Part PART (0 q, 1 k, 2 v) of ``head`` for a tile of rows: qkv (+ bias) (+ h[:, C:C+r] (s B_j)^T when
-        C >= 0) in float32, the adapter's product rounded to qkv's dtype first (as its GEMM writes it), the sum
-        rounded once (as ``_summed``)."""
-        col = tl.arange(0, D)
-        x = tl.load(src[:, None] + (head * 3 * D + PART * D + col)[None, :], mask=m[:, None])
-        if HAS_BIAS or C >= 0:
+    def _load_summed(at, bias_at, lora_at, m, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
+        """qkv (+ bias) (+ lora) in float32, rounded once to qkv's dtype, as ``_summed``."""
+        x = tl.load(at, mask=m)
+        if HAS_BIAS or HAS_LORA:
             xf = x.to(tl.float32)
             if HAS_BIAS:
-                xf = xf + tl.load(bias + head * 3 * D + PART * D + col).to(tl.float32)[None, :]
-            if C >= 0:
-                r = tl.arange(0, R)
-                h = tl.load(h_rows[:, None] + C + r[None, :], mask=m[:, None] & (r < rank)[None, :], other=0.0)
-                bt = tl.load(b_scaled + (C // rank) * bstride_p + (head * D + col)[None, :] * bstride_o + r[:, None],
-                             mask=(r < rank)[:, None], other=0.0)  # [R, D]: B_j's rows of this head, transposed
-                if IEEE:
-                    lora = tl.dot(h, bt, input_precision="ieee")
-                else:
-                    lora = tl.dot(h, bt)
-                xf = xf + lora.to(x.dtype).to(tl.float32)
+                xf = xf + tl.load(bias_at, mask=m).to(tl.float32)
+            if HAS_LORA:
+                xf = xf + tl.load(lora_at, mask=m).to(tl.float32)
             x = xf.to(x.dtype)
         return x
 
     @triton.jit
-    def _qk_norm_rope_kernel(qkv, stride_s, stride_b, bias, h, hstride_s, hstride_b, b_scaled, bstride_p, bstride_o,
-                             rank, wq, wk, freqs, q_out, k_out, v_out, s_offset, s_total, rows_total, B, N, eps,
-                             D: tl.constexpr, BM: tl.constexpr, R: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             CQ: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr, IEEE: tl.constexpr):
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)  # a tile of the stream's (token, sample) rows
-        head = tl.program_id(1)
-        m = rows < rows_total
-        s, b = rows // B, rows % B
+    def _qk_norm_rope_kernel(qkv, stride_s, stride_b, bias, lora, lstride_s, lstride_b, wq, wk, freqs, q_out, k_out,
+                             v_out, s_offset, s_total, B, N, eps, D: tl.constexpr, HB: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
+        row = tl.program_id(0)  # one (token, sample) row of the stream: all its heads
+        s, b = row // B, row % B
         HALF: tl.constexpr = D // 2
-        pair = tl.arange(0, HALF)
-        at = freqs + s[:, None] * D + 2 * pair[None, :]
-        cos = tl.load(at, mask=m[:, None], other=0.0)
-        sin = tl.load(at + 1, mask=m[:, None], other=0.0)
+        pair, col, hs = tl.arange(0, HALF), tl.arange(0, D), tl.arange(0, HB)
+        cos = tl.load(freqs + s * D + 2 * pair)
+        sin = tl.load(freqs + s * D + 2 * pair + 1)
         wq_e, wq_o = tl.load(wq + 2 * pair).to(tl.float32), tl.load(wq + 2 * pair + 1).to(tl.float32)
         wk_e, wk_o = tl.load(wk + 2 * pair).to(tl.float32), tl.load(wk + 2 * pair + 1).to(tl.float32)
         src = qkv + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b
-        h_rows = h + s.to(tl.int64) * hstride_s + b.to(tl.int64) * hstride_b
-        out = (((b.to(tl.int64) * s_total + s_offset + s) * N + head) * D)[:, None] + tl.arange(0, D)[None, :]
-        args = (bias, h_rows, b_scaled, bstride_p, bstride_o, rank, head, m)
-        q = _load_part(src, *args, 0, CQ, HAS_BIAS, D, R, IEEE)
-        k = _load_part(src, *args, 1, CK, HAS_BIAS, D, R, IEEE)
-        v = _load_part(src, *args, 2, CV, HAS_BIAS, D, R, IEEE)
-        tl.store(q_out + out, _norm_rope(q, wq_e, wq_o, cos, sin, eps, D, HALF), mask=m[:, None])
-        tl.store(k_out + out, _norm_rope(k, wk_e, wk_o, cos, sin, eps, D, HALF), mask=m[:, None])
-        tl.store(v_out + out, v, mask=m[:, None])
-
-
-BLOCK_ROWS = 32  # rows per program: B_j's [r, D] slice of a head is read once per tile of rows, not per row
-
-
-def _runs_kernel(qkv: torch.Tensor, d: int) -> bool:
-    """Triton on CUDA (or in Triton's CPU interpreter, TRITON_INTERPRET=1: how the CPU tests check the kernel's
-    logic); the kernel tiles a head with tl.dot: a power-of-2 head dim of at least 16."""
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    return triton is not None and (qkv.is_cuda or interpreting) and d >= 16 and not d & (d - 1)
-
-
-def _check(qkv, bias, h, b_scaled, columns):
-    if qkv.stride(2) != 1:
-        raise ValueError(f"joint_qk_norm_rope: QKV of shape {tuple(qkv.shape)} must be contiguous in its last dim")
-    if bias is not None and (bias.shape != qkv.shape[2:] or not bias.is_contiguous()):
-        raise ValueError(f"joint_qk_norm_rope: bias of shape {tuple(bias.shape)}; expected contiguous "
-                         f"{tuple(qkv.shape[2:])}")
-    if h is None:
-        return
-    p, o, r = b_scaled.shape
-    if (h.shape[:2] != qkv.shape[:2] or h.stride(2) != 1 or len(columns) != 3 or o * 3 != qkv.shape[2]
-            or any(c >= 0 and (c % r or c // r >= p or c + r > h.shape[2]) for c in columns)):
-        raise ValueError(f"joint_qk_norm_rope: LoRA factors h {tuple(h.shape)}, B {tuple(b_scaled.shape)}, columns "
-                         f"{tuple(columns)} do not fit QKV {tuple(qkv.shape)} (expected h [S, B, P*r] contiguous in "
-                         f"its last dim, B [P, N*D, r], a column c per q / k / v: -1 or j*r with j < P)")
+        lsrc = lora + s.to(tl.int64) * lstride_s + b.to(tl.int64) * lstride_b
+        dst = (b.to(tl.int64) * s_total + s_offset + s) * N * D
+        for h0 in range(0, N, HB):
+            h = h0 + hs
+            m = (h < N)[:, None]
+            part = h[:, None] * (3 * D) + col[None, :]  # q of these heads; k at + D, v at + 2 D
+            at, bias_at, lora_at = src + part, bias + part, lsrc + part
+            out = dst + h[:, None] * D + col[None, :]
+            q = _load_summed(at, bias_at, lora_at, m, HAS_BIAS, HAS_LORA)
+            k = _load_summed(at + D, bias_at + D, lora_at + D, m, HAS_BIAS, HAS_LORA)
+            tl.store(q_out + out, _norm_rope(q, wq_e, wq_o, cos, sin, eps, D, HALF), mask=m)
+            tl.store(k_out + out, _norm_rope(k, wk_e, wk_o, cos, sin, eps, D, HALF), mask=m)
+            tl.store(v_out + out, _load_summed(at + 2 * D, bias_at + 2 * D, lora_at + 2 * D, m, HAS_BIAS, HAS_LORA),
+                     mask=m)
 
 
 @torch.library.custom_op("megatron_omni::joint_qk_norm_rope", mutates_args=())
 def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor, wk_txt: torch.Tensor,
               wq_img: torch.Tensor, wk_img: torch.Tensor, freqs_txt: torch.Tensor, freqs_img: torch.Tensor,
-              heads: int, eps: float, bias_txt: torch.Tensor | None, bias_img: torch.Tensor | None,
-              h_txt: torch.Tensor | None, h_img: torch.Tensor | None, b_txt: torch.Tensor | None,
-              b_img: torch.Tensor | None, columns_txt: list[int], columns_img: list[int],
+              heads: int, eps: float, bias_txt: torch.Tensor | None = None, bias_img: torch.Tensor | None = None,
+              lora_txt: torch.Tensor | None = None, lora_img: torch.Tensor | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    factors = [None if h is None else LowRank(h, b, tuple(c))
-               for h, b, c in ((h_txt, b_txt, columns_txt), (h_img, b_img, columns_img))]
-    streams = ((qkv_txt, wq_txt, wk_txt, freqs_txt, bias_txt, factors[0]),
-               (qkv_img, wq_img, wk_img, freqs_img, bias_img, factors[1]))
+    streams = ((qkv_txt, wq_txt, wk_txt, freqs_txt, bias_txt, lora_txt),
+               (qkv_img, wq_img, wk_img, freqs_img, bias_img, lora_img))
     d = qkv_img.shape[-1] // (3 * heads)
-    if not _runs_kernel(qkv_img, d):
+    if triton is None or not qkv_img.is_cuda or d & (d - 1):  # (the kernel tiles a head: a power-of-2 dim)
         return _reference(streams, heads, eps)
     q, k, v = _empty_outputs(qkv_txt, qkv_img, heads)
-    s_total, offset = q.shape[1], 0
-    for qkv, wq, wk, freqs, bias, low_rank in streams:
+    s_total = q.shape[1]
+    offset = 0
+    for qkv, wq, wk, freqs, bias, lora in streams:
         s, b = qkv.shape[:2]
-        h, b_scaled, columns = low_rank or (None, None, (-1, -1, -1))
-        _check(qkv, bias, h, b_scaled, columns)
+        for name, t in (("QKV", qkv), ("LoRA output", lora)):
+            if t is not None and (t.stride(2) != 1 or t.shape != qkv.shape):
+                raise ValueError(f"joint_qk_norm_rope: {name} of shape {tuple(t.shape)} must be {tuple(qkv.shape)} "
+                                 f"and contiguous in its last dim")
+        if bias is not None and (bias.shape != qkv.shape[2:] or not bias.is_contiguous()):
+            raise ValueError(f"joint_qk_norm_rope: bias of shape {tuple(bias.shape)}; expected contiguous "
+                             f"{tuple(qkv.shape[2:])}")
         if s * b:  # (a launch over an empty grid is an error)
-            if h is None:  # (unused pointers without an adapter)
-                h, b_scaled = qkv, qkv.new_empty(1, 1, 1)
-            b_scaled = b_scaled.contiguous()
-            rank = b_scaled.shape[-1]
-            grid = (triton.cdiv(s * b, BLOCK_ROWS), heads)
-            _qk_norm_rope_kernel[grid](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, h,
-                                       h.stride(0), h.stride(1), b_scaled, b_scaled.stride(0), b_scaled.stride(1),
-                                       rank, wq, wk, freqs.contiguous(), q, k, v, offset, s_total, s * b, b, heads, eps,
-                                       D=d, BM=BLOCK_ROWS, R=max(16, triton.next_power_of_2(rank)),
-                                       HAS_BIAS=bias is not None, CQ=columns[0], CK=columns[1], CV=columns[2],
-                                       IEEE=qkv.dtype == torch.float32)
+            lo = qkv if lora is None else lora  # (an unused pointer when there is no LoRA output)
+            _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
+                                           lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
+                                           offset, s_total, b, heads, eps, D=d, HB=8, HAS_BIAS=bias is not None,
+                                           HAS_LORA=lora is not None)
         offset += s
     return q, k, v
 
@@ -216,20 +152,18 @@ def _empty_outputs(qkv_txt, qkv_img, heads):
 
 
 @_joint_op.register_fake
-def _(qkv_txt, qkv_img, wq_txt, wk_txt, wq_img, wk_img, freqs_txt, freqs_img, heads, eps, bias_txt, bias_img,
-      h_txt, h_img, b_txt, b_img, columns_txt, columns_img):
+def _(qkv_txt, qkv_img, wq_txt, wk_txt, wq_img, wk_img, freqs_txt, freqs_img, heads, eps, bias_txt=None,
+      bias_img=None, lora_txt=None, lora_img=None):
     return _empty_outputs(qkv_txt, qkv_img, heads)
 
 
 def joint_qk_norm_rope(txt, img, heads: int, eps: float):
     """q, k, v [B, S_T + S_I, N, D] from two streams, each (qkv [S, B, N*3D], q_norm weight [D],
-    k_norm weight [D], RoPE freqs [S, D/2, 2][, bias [N*3D] or None, a LoRA adapter's ``LowRank`` factors or
-    None]).  A stream's bias and LoRA output are added to its qkv here (float32, one rounding), the adapter's
-    up-projection computed in the kernel from h = A x and (alpha/r) B: no GEMM writes the adapter's [S, B, N*3D]
-    output for this pass to read back (~1.2 GB per block at the rollout's batch 32)."""
+    k_norm weight [D], RoPE freqs [S, D/2, 2][, bias [N*3D] or None, LoRA output [S, B, N*3D] or None]).
+    A stream's bias and LoRA output are added to its qkv here (float32, one rounding) rather than by a separate
+    pass that writes the sum and reads it back (~1.2 GB per block at the rollout's batch 32)."""
     if txt[0].shape[2] % (3 * heads) or (txt[0].shape[2] // (3 * heads)) % 2:
         raise ValueError(f"joint_qk_norm_rope: QKV width {txt[0].shape[2]} is not {heads} heads x 3 x an even head dim")
-    (bias_t, lr_t), (bias_i, lr_i) = (tuple(stream[4:6]) or (None, None) for stream in (txt, img))
-    flat = [(None, None, []) if lr is None else (lr.h, lr.b_scaled, list(lr.columns)) for lr in (lr_t, lr_i)]
+    (bias_t, lora_t), (bias_i, lora_i) = (tuple(stream[4:6]) or (None, None) for stream in (txt, img))
     return _joint_op(txt[0], img[0], txt[1], txt[2], img[1], img[2], txt[3], img[3], heads, eps,
-                     bias_t, bias_i, flat[0][0], flat[1][0], flat[0][1], flat[1][1], flat[0][2], flat[1][2])
+                     bias_t, bias_i, lora_t, lora_i)
