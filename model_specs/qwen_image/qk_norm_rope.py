@@ -136,11 +136,14 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
             raise ValueError(f"joint_qk_norm_rope: bias of shape {tuple(bias.shape)}; expected contiguous "
                              f"{tuple(qkv.shape[2:])}")
         if s * b:  # (a launch over an empty grid is an error)
+            # 8 heads per step, 2 warps: 0.607 ms per block with a LoRA output (0.460 without) at the rollout's
+            # batch 32 on an H200, against 0.652 (0.540) with Triton's default 4 warps (a sweep of 4-16 heads x
+            # 1-8 warps; bench/RESULTS.md)
             lo = qkv if lora is None else lora  # (an unused pointer when there is no LoRA output)
             _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
                                            lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
                                            offset, s_total, b, heads, eps, D=d, HB=8, HAS_BIAS=bias is not None,
-                                           HAS_LORA=lora is not None)
+                                           HAS_LORA=lora is not None, num_warps=2)
         offset += s
     return q, k, v
 
