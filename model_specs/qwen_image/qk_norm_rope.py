@@ -18,6 +18,8 @@ for Megatron's [S, B, N, D].
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -112,6 +114,19 @@ if triton is not None:
                      mask=m)
 
 
+def _runs_kernel(qkv: torch.Tensor, d: int) -> bool:
+    """Triton on CUDA, or in Triton's CPU interpreter (TRITON_INTERPRET=1: how the CPU tests check the kernel's
+    logic); the kernel tiles a head: a power-of-2 head dim."""
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and (qkv.is_cuda or interpreting) and not d & (d - 1)
+
+
+# Launch configuration: heads per loop step of a row's program, warps per program.  8 x 2: 0.607 ms per block with a
+# LoRA output (0.460 without) at the rollout's batch 32 on an H200, against 0.652 (0.540) at Triton's default 4 warps
+# (bench/qk_norm_rope.py sweeps them; bench/RESULTS.md)
+HEADS_PER_STEP, NUM_WARPS = 8, 2
+
+
 @torch.library.custom_op("megatron_omni::joint_qk_norm_rope", mutates_args=())
 def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor, wk_txt: torch.Tensor,
               wq_img: torch.Tensor, wk_img: torch.Tensor, freqs_txt: torch.Tensor, freqs_img: torch.Tensor,
@@ -121,7 +136,7 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
     streams = ((qkv_txt, wq_txt, wk_txt, freqs_txt, bias_txt, lora_txt),
                (qkv_img, wq_img, wk_img, freqs_img, bias_img, lora_img))
     d = qkv_img.shape[-1] // (3 * heads)
-    if triton is None or not qkv_img.is_cuda or d & (d - 1):  # (the kernel tiles a head: a power-of-2 dim)
+    if not _runs_kernel(qkv_img, d):
         return _reference(streams, heads, eps)
     q, k, v = _empty_outputs(qkv_txt, qkv_img, heads)
     s_total = q.shape[1]
@@ -136,14 +151,11 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
             raise ValueError(f"joint_qk_norm_rope: bias of shape {tuple(bias.shape)}; expected contiguous "
                              f"{tuple(qkv.shape[2:])}")
         if s * b:  # (a launch over an empty grid is an error)
-            # 8 heads per step, 2 warps: 0.607 ms per block with a LoRA output (0.460 without) at the rollout's
-            # batch 32 on an H200, against 0.652 (0.540) with Triton's default 4 warps (a sweep of 4-16 heads x
-            # 1-8 warps; bench/RESULTS.md)
             lo = qkv if lora is None else lora  # (an unused pointer when there is no LoRA output)
             _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
                                            lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
-                                           offset, s_total, b, heads, eps, D=d, HB=8, HAS_BIAS=bias is not None,
-                                           HAS_LORA=lora is not None, num_warps=2)
+                                           offset, s_total, b, heads, eps, D=d, HB=HEADS_PER_STEP, HAS_BIAS=bias is not None,
+                                           HAS_LORA=lora is not None, num_warps=NUM_WARPS)
         offset += s
     return q, k, v
 
