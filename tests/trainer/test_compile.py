@@ -57,3 +57,21 @@ def test_compile_mode_is_checked():
     with pytest.raises(ConfigError, match=r"train.compile: 'fast' is not a torch.compile mode"):
         load_config(overrides=["train.compile=fast"])
     assert load_config(overrides=["rollout.compile=default"]).rollout.compile == "default"
+
+
+def test_compile_switches_on_coordinate_descent_tuning(monkeypatch):
+    """compile_blocks turns on inductor's tuning of its Triton kernels, unless the environment sets it."""
+    import torch._inductor.config as inductor
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+    monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")
+    compile_blocks(Blocks(), "default")
+    assert inductor.coordinate_descent_tuning is False
+    monkeypatch.delenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING")
+    compile_blocks(Blocks(), "default")
+    assert inductor.coordinate_descent_tuning is True
