@@ -154,8 +154,9 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
             lo = qkv if lora is None else lora  # (an unused pointer when there is no LoRA output)
             _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
                                            lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
-                                           offset, s_total, b, heads, eps, D=d, HB=HEADS_PER_STEP, HAS_BIAS=bias is not None,
-                                           HAS_LORA=lora is not None, num_warps=NUM_WARPS)
+                                           offset, s_total, b, heads, eps, D=d, HB=HEADS_PER_STEP,
+                                           HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+                                           num_warps=NUM_WARPS)
         offset += s
     return q, k, v
 
