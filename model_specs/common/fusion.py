@@ -22,8 +22,7 @@ def local_column(linear: torch.nn.Module) -> bool:
 
 
 def plain_column(linear: torch.nn.Module) -> bool:
-    """A ``local_column`` that also adds its bias itself: its inference forward can be one addmm with the bias
-    in cuBLAS's epilogue."""
+    """A ``local_column`` that also adds its bias itself (its forward's output includes the bias)."""
     return local_column(linear) and not linear.skip_bias_add
 
 
@@ -31,18 +30,19 @@ def column_parts(linear: torch.nn.Module, x: torch.Tensor):
     """``linear(x)``'s output for a consumer that adds the bias and a LoRA adapter's output itself, as
     (product [.., O], bias [O] or None, LoRA output [.., O] or None); their sum is ``linear(x)[0]``.
 
-    - a ``plain_column``: one addmm (megatron's local linear adds its bias in a separate pass over the output,
-      which torch.compile fuses only into a pointwise consumer), nothing left to add;
-    - a ``LoRALinear`` (enabled, column-parallel) on a ``plain_column``: x W^T, the bias and the adapter's output
-      apart, so that the consumer reads them once instead of a pass writing their sum first;
+    - a ``plain_column``, or a ``LoRALinear`` (enabled, column-parallel) on one: x W^T by ``mm``, the bias and
+      the adapter's output apart, so that the consumer reads them once and sums them in float32 instead of a pass
+      writing their sum first.  Not addmm with the bias in cuBLAS's epilogue: at the rollout's image QKV
+      ([32768, 3072] x [3072, 9216], H200) cuBLAS ran ``mm`` at 817 TFLOP/s and the bias epilogue at 690
+      (bench/gemm_shapes.py; within 2.5 % of each other at 4096 and 8192 rows).  The product rounded, then the bias
+      added, is also what megatron's linear computes in training;
     - anything else: its own forward.
     """
-    if isinstance(linear, LoRALinear) and linear.enabled and linear.kind == COLUMN and plain_column(linear.base):
-        product = torch.mm(x.reshape(-1, x.shape[-1]), linear.base.weight.t()).view(*x.shape[:-1], -1)
-        return product, linear.base.bias, linear.low_rank(x)
-    if plain_column(linear):
-        product = torch.addmm(linear.bias, x.reshape(-1, x.shape[-1]), linear.weight.t())
-        return product.view(*x.shape[:-1], -1), None, None
+    lora = isinstance(linear, LoRALinear) and linear.enabled and linear.kind == COLUMN
+    base = linear.base if lora else linear
+    if plain_column(base) and (lora or not isinstance(linear, LoRALinear)):
+        product = torch.mm(x.reshape(-1, x.shape[-1]), base.weight.t()).view(*x.shape[:-1], -1)
+        return product, base.bias, linear.low_rank(x) if lora else None
     return linear(x)[0], None, None
 
 
