@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
-from model_specs.common.lora import COLUMN, LoRALinear
+from model_specs.common.lora import LoRALinear
 
 
 def local_column(linear: torch.nn.Module) -> bool:
@@ -30,7 +30,7 @@ def column_parts(linear: torch.nn.Module, x: torch.Tensor):
     """``linear(x)``'s output for a consumer that adds the bias and a LoRA adapter's output itself, as
     (product [.., O], bias [O] or None, LoRA output [.., O] or None); their sum is ``linear(x)[0]``.
 
-    - a ``plain_column``, or a ``LoRALinear`` (enabled, column-parallel) on one: x W^T by ``mm``, the bias and
+    - a ``plain_column``, or a ``LoRALinear`` on one: x W^T by ``mm``, the bias and
       the adapter's output apart, so that the consumer reads them once and sums them in float32 instead of a pass
       writing their sum first.  Not addmm with the bias in cuBLAS's epilogue: at the rollout's image QKV
       ([32768, 3072] x [3072, 9216], H200) cuBLAS ran ``mm`` at 817 TFLOP/s and the bias epilogue at 690
@@ -38,11 +38,11 @@ def column_parts(linear: torch.nn.Module, x: torch.Tensor):
       added, is also what megatron's linear computes in training;
     - anything else: its own forward.
     """
-    lora = isinstance(linear, LoRALinear) and linear.enabled and linear.kind == COLUMN
-    base = linear.base if lora else linear
-    if plain_column(base) and (lora or not isinstance(linear, LoRALinear)):
+    wrapped = isinstance(linear, LoRALinear)
+    base = linear.base if wrapped else linear
+    if plain_column(base):  # (an adapter on a column-parallel base is column-parallel itself)
         product = torch.mm(x.reshape(-1, x.shape[-1]), base.weight.t()).view(*x.shape[:-1], -1)
-        return product, base.bias, linear.low_rank(x) if lora else None
+        return product, base.bias, linear.low_rank(x) if wrapped and linear.enabled else None
     return linear(x)[0], None, None
 
 
