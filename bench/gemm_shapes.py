@@ -2,11 +2,12 @@
 of the rollout's and the training step's matmul time another cuBLAS call (or inductor's autotuned Triton GEMM)
 would save.  GEMMs are ~80 % of a rollout forward's kernel time and ~63 % of a LoRA training step's.
 
-    python bench/gemm_shapes.py [--repeats 20] [--autotune] [--only rollout train]
+    python bench/gemm_shapes.py [--repeats 20] [--autotune] [--only rollout train] [--rollout-batch 32]
 
 Shapes (per block; a forward runs 60 blocks): the image stream (B x 1024 tokens) and the text stream (B x 128)
 each through QKV 3072 -> 9216, output projection 3072 -> 3072, fc1 3072 -> 12288, fc2 12288 -> 3072; rollout at
-batch 32 (16 images x cond / uncond), training at micro-batch 4 (forward and the input-gradient product dY W).
+batch 32 (16 images x cond / uncond; --rollout-batch), training at micro-batch 4 (forward and the input-gradient
+product dY W).
 
 Formulations: ``x·Wᵀ`` F.linear without bias (cuBLAS, the weight as stored [N, K]); ``+bias`` the same with the
 bias in cuBLAS's epilogue (addmm); ``x·Wt`` the weight pre-transposed to [K, N] (an NN product); ``lt`` F.linear
@@ -72,7 +73,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--autotune", action="store_true", help="also inductor's max-autotune GEMM (slow to tune)")
     p.add_argument("--only", nargs="+", choices=sorted(PHASES), default=sorted(PHASES))
+    p.add_argument("--rollout-batch", type=int, default=PHASES["rollout"][0])
     args = p.parse_args()
+    PHASES["rollout"] = (args.rollout_batch, PHASES["rollout"][1])
     torch.manual_seed(0)
     torch._dynamo.config.recompile_limit = 64  # one compiled product per shape
     rows, totals, tuning = [], {}, 0.0
