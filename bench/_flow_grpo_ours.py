@@ -99,7 +99,9 @@ def _first_forward(engine: EmbeddedEngine, recipe: Recipe) -> float:
     txt = torch.randn(rows, recipe.text_tokens, recipe.arch.joint_attention_dim, device=recipe.device,
                       dtype=recipe.dtype)
     start = time.perf_counter()
-    engine.model(img, txt, torch.full((rows,), 0.5, device=recipe.device), recipe.img_fhw, None)
+    sigma = torch.full((1,), 0.5, device=recipe.device)  # a step's forward reads a modulation table, as the engine's
+    table = engine.model.modulation_table(sigma)
+    engine.model(img, txt, sigma.expand(rows), recipe.img_fhw, None, modulation=table.step(0))
     synchronize(recipe.device)
     return time.perf_counter() - start
 
@@ -107,7 +109,8 @@ def _first_forward(engine: EmbeddedEngine, recipe: Recipe) -> float:
 def _requests(recipe: Recipe, prompts: list[str], emb_PTE: torch.Tensor, neg_TE: torch.Tensor,
               step: int, rank: int = 0) -> list[Request]:
     return [Request(prompt=p, prompt_id=k, prompt_emb=emb_PTE[k], negative_prompt=NEGATIVE, negative_prompt_emb=neg_TE,
-                    seed=step * 100_003 + k * recipe.group + i + rank * 10_000_019, img_fhw=recipe.img_fhw, num_steps=recipe.num_steps,
+                    seed=step * 100_003 + k * recipe.group + i + rank * 10_000_019, img_fhw=recipe.img_fhw,
+                    num_steps=recipe.num_steps,
                     shift=recipe.shift, sampler="sde", noise_level=recipe.noise_level, window_size=recipe.window,
                     window_range=recipe.window_starts, guidance_scale=recipe.guidance,
                     keep_uncond_velocity=recipe.reuse_uncond)

@@ -4,12 +4,17 @@ tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one tab
 
     python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
                                     [--no-eager] [--no-reference] [--profile] [--fusion fused unfused qkv-sum]
-                                    [--lora 64]
+                                    [--lora 64] [--modulation table computed]
 
 ``--fusion``: ours with the rollout engine's inference fusions (model_specs.common.fusion: fc1 bias + GELU-tanh in
 the GEMM epilogue, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)
-and / or without them (megatron-core's MLP, the norms, RoPE and concatenation as torch.compile fuses them).  ``--lora R``: ours with LoRA rank R on the FlowGRPO targets
-(nonzero B), as the rollout of a LoRA run computes; the fused MLP then folds fc1's adapter into its GEMM.
+and / or without them (megatron-core's MLP, the norms, RoPE and concatenation as torch.compile fuses them).
+``--lora R``: ours with LoRA rank R on the FlowGRPO targets (nonzero B), as the rollout of a LoRA run computes; the
+fused MLP then folds fc1's adapter into its GEMM.
+``--modulation``: ``table`` (the default, as EmbeddedEngine runs): every row at one sigma, the blocks' adaLN
+modulations read from a ModulationTable built once for a rollout's 10 sigmas (its time per batch printed apart;
+the modulation products are then not counted in the forward's FLOPs); ``computed``: each forward computes them,
+rows at random sigmas.
 
 MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, BENCHMARKS.md); FLOPs from
 model_specs/qwen_image/flops.py (16.6 TFLOP per image at 512x512).
@@ -39,7 +44,7 @@ def _inputs(arch: QwenImageConfig, batch: int):
             torch.rand(batch, device="cuda", generator=g))
 
 
-def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0):
+def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from model_specs.qwen_image.model import QwenImageModel
     from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -71,19 +76,26 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
 
         compile_blocks(model, compile_mode)
     with torch.no_grad():
+        steps_N = torch.linspace(1.0, 0.1, 10, device="cuda")  # a rollout's sigmas
+        if table:
+            ms = median_ms(lambda: model.modulation_table(steps_N), repeats)
+            print(f"modulation table for {len(steps_N)} sigmas: {ms:.2f} ms (once per rollout batch)", flush=True)
         for b in batches:
             img, txt, sigma = _inputs(arch, b)
+            kw = {}
+            if table:  # every row at one sigma, as in a rollout step
+                sigma, kw = steps_N[3].expand(b), {"modulation": model.modulation_table(steps_N).step(3)}
             t0 = time.perf_counter()
-            model(img, txt, sigma, FHW, None)
+            model(img, txt, sigma, FHW, None, **kw)
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
-            out[b] = median_ms(lambda: model(img, txt, sigma, FHW, None), repeats)
+            out[b] = median_ms(lambda: model(img, txt, sigma, FHW, None, **kw), repeats)
             print(f"ours{' compiled ' + compile_mode if compile_mode else ''} batch {b}: first call {first:.1f} s, "
                   f"{out[b]:.1f} ms", flush=True)
             if profile and b == max(batches):
                 from _profile import graph_breaks, profile_kernels
 
-                profile_kernels(lambda: model(img, txt, sigma, FHW, None),
+                profile_kernels(lambda: model(img, txt, sigma, FHW, None, **kw),
                                 f"forward batch {b} {compile_mode or 'eager'}", shapes=True)
                 print(graph_breaks(), flush=True)
     del model
@@ -121,7 +133,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=60, help="blocks (60 = full size)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile", nargs="*", default=[], metavar="MODE",
-                   help="also time ours with every block under torch.compile(mode=MODE), e.g. default max-autotune-no-cudagraphs")
+                   help="also time ours with every block under torch.compile(mode=MODE), e.g. default "
+                        "max-autotune-no-cudagraphs")
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
     p.add_argument("--no-eager", action="store_true", help="time ours only under the --compile modes")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
@@ -129,28 +142,33 @@ def main() -> None:
                    help="ours with the engine's inference fusions, and / or without; qkv-sum: fused, but a LoRA'd "
                         "QKV's bias and adapter output summed by their own pass, not in the q / k norm kernel")
     p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on the FlowGRPO targets (0 = none)")
+    p.add_argument("--modulation", nargs="+", choices=("table", "computed"), default=["table"],
+                   help="ours reading the adaLN modulations from a table built once per rollout batch, and / or "
+                        "computing them in every forward")
     args = p.parse_args()
     arch = QwenImageConfig(num_layers=args.layers)
     results = {}
     lora = f" lora{args.lora}" if args.lora else ""
     for mode in ([None] if not args.no_eager else []) + args.compile:
         for fusion in args.fusion:
-            gc.collect()
-            torch.cuda.empty_cache()
-            name = f"ours {mode or 'eager'}{lora} {fusion}"
-            print(f"--- {name}", flush=True)
-            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile,
-                                 {"fused": True, "unfused": False}.get(fusion, fusion), args.lora)
+            for modulation in args.modulation:
+                gc.collect()
+                torch.cuda.empty_cache()
+                name = f"ours {mode or 'eager'}{lora} {fusion}{' table' if modulation == 'table' else ''}"
+                print(f"--- {name}", flush=True)
+                results[name] = ours(arch, args.batches, args.repeats, mode, args.profile,
+                                     {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
+                                     modulation == "table")
     gc.collect()
     torch.cuda.empty_cache()
     if not args.no_reference:
         results["diffusers"] = reference(arch, args.batches, args.repeats)
     print(f"\n{torch.cuda.get_device_name()}, {args.layers} blocks, bf16, 512x512 + {TEXT} text tokens, eager")
-    print(f"{'model':<30} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
+    print(f"{'model':<36} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
     for name, rows in results.items():
         for b, ms in rows.items():
-            flops = forward_flops(arch, b, FHW[0] * FHW[1] * FHW[2], TEXT)
-            print(f"{name:<30} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
+            flops = forward_flops(arch, b, FHW[0] * FHW[1] * FHW[2], TEXT, modulation=not name.endswith(" table"))
+            print(f"{name:<36} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
                   f"{flops / ms / 1e9 / (PEAK / 1e12):>6.1%}")
 
 

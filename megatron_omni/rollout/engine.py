@@ -383,10 +383,15 @@ class EmbeddedEngine:
         else:
             forwards = [(txt, mask, 1) for txt, mask in branches]
 
+        # every row of a step is at sigmas[i]: the blocks' adaLN modulations for all steps at once (the weights
+        # are read once per batch, not once per step; conditioning.ModulationTable)
+        table = self.model.modulation_table(sigmas_N1[:-1])
+        steps = [table.step(i) for i in range(len(sigmas_N1) - 1)]
+
         def velocity(x_BX: torch.Tensor, i: int) -> torch.Tensor:
             x = x_BX.to(self._dtype)
             outs = [self.model(torch.cat([x] * rows) if rows > 1 else x, txt, sigmas_N1[i].expand(rows * x.shape[0]),
-                               r0.img_fhw, mask) for txt, mask, rows in forwards]
+                               r0.img_fhw, mask, modulation=steps[i]) for txt, mask, rows in forwards]
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if not r0.cfg:
                 return out.float()

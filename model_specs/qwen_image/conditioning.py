@@ -37,6 +37,33 @@ class QwenImageConditioning:
     text_len: int
 
 
+@dataclass
+class ModulationTable:
+    """Every adaLN modulation of a model at N timesteps, computed once (``QwenImageModel.modulation_table``).
+
+    A modulation depends on the timestep alone, and a rollout evaluates the same N sigmas for every row of a
+    batch: its forwards can read them here instead of running the blocks' modulation products at every step
+    (at full size 120 GEMVs over 13.6 GB of weights, ~3.9 ms of a batch-8 forward on an H200).  No gradient
+    flows through it, and it is stale once the weights change.
+
+    temb_NH:   timestep embeddings [N, hidden].
+    blocks:    global block index -> (image modulation [N, 6 hidden], text modulation [N, 6 hidden]).
+    out_N2H:   the output norm's (scale, shift) [N, 2 hidden], or None on a stage without the head.
+    """
+
+    temb_NH: torch.Tensor
+    blocks: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    out_N2H: torch.Tensor | None
+
+    def step(self, n: int) -> "ModulationTable":
+        """The table at timestep n alone (N = 1: what a forward takes; it broadcasts over the batch)."""
+        if not 0 <= n < len(self.temb_NH):
+            raise IndexError(f"timestep {n} is outside this modulation table of {len(self.temb_NH)} timesteps")
+        row = slice(n, n + 1)
+        return ModulationTable(self.temb_NH[row], {i: (img[row], txt[row]) for i, (img, txt) in self.blocks.items()},
+                               None if self.out_N2H is None else self.out_N2H[row])
+
+
 def timestep_sinusoid(sigma_B: torch.Tensor, dtype: torch.dtype = torch.float32, dim: int = TIME_PROJ_DIM,
                       scale: float = 1000.0) -> torch.Tensor:
     """[B] sigmas in [0, 1] -> [B, dim] float32 sinusoids, cos first (``flip_sin_to_cos=True``).

@@ -13,10 +13,13 @@ from model_specs.qwen_image.conditioning import TIME_PROJ_DIM
 from model_specs.qwen_image.config import QwenImageConfig
 
 
-def forward_flops(arch: QwenImageConfig, batch: int, image_tokens: int, text_tokens: int) -> float:
+def forward_flops(arch: QwenImageConfig, batch: int, image_tokens: int, text_tokens: int,
+                  modulation: bool = True) -> float:
+    """``modulation=False``: without the blocks' modulation products (a forward that reads them from a
+    ModulationTable built once for all of a rollout's steps)."""
     h, layers = arch.hidden_size, arch.num_layers
     tokens = image_tokens + text_tokens
-    per_block = 2 * 12 * h * h * tokens + 4 * tokens * tokens * h + 2 * 12 * h * h
+    per_block = 2 * 12 * h * h * tokens + 4 * tokens * tokens * h + 2 * 12 * h * h * modulation
     embed = 2 * h * (arch.in_channels * image_tokens + arch.joint_attention_dim * text_tokens
                      + arch.out_features * image_tokens + 2 * h)
     return float(batch) * (layers * per_block + embed)

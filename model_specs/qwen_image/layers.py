@@ -131,10 +131,14 @@ class QwenImageBlock(MegatronModule):
         out, bias = mlp(x_SBH)
         return out if bias is None else out + bias
 
-    def forward(self, hidden_SBH: torch.Tensor, cond: QwenImageConditioning) -> torch.Tensor:
-        act_BH = torch.nn.functional.silu(cond.temb_BH)
-        img_mod, _ = self.img_mod(act_BH)
-        txt_mod, _ = self.txt_mod(act_BH)
+    def forward(self, hidden_SBH: torch.Tensor, cond: QwenImageConditioning,
+                modulation: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``modulation``: this block's (image, text) modulation [1 or B, 6H] from a ModulationTable, else
+        computed here from cond.temb_BH."""
+        if modulation is None:
+            act_BH = torch.nn.functional.silu(cond.temb_BH)
+            modulation = self.img_mod(act_BH)[0], self.txt_mod(act_BH)[0]
+        img_mod, txt_mod = modulation
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)
         txt, img = hidden_SBH[: cond.text_len], hidden_SBH[cond.text_len:]

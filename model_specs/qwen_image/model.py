@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from model_specs.common.containers import MegatronModuleList
 from model_specs.qwen_image.conditioning import (
-    TIME_PROJ_DIM, QwenImageConditioning, joint_attention_mask, rope_freqs, timestep_sinusoid,
+    TIME_PROJ_DIM, ModulationTable, QwenImageConditioning, joint_attention_mask, rope_freqs, timestep_sinusoid,
 )
 from model_specs.qwen_image.config import QwenImageConfig
 from model_specs.qwen_image.spec import NORM_EPS, qwen_image_block_spec
@@ -108,35 +108,60 @@ class QwenImageModel(MegatronModule):
         n = image_len // cp
         return slice(self.cp_groups.cp_rank * n, (self.cp_groups.cp_rank + 1) * n)
 
-    def conditioning(self, sigma_B: torch.Tensor, img_fhw: tuple[int, int, int], text_len: int,
-                     text_mask_BT: torch.Tensor | None) -> QwenImageConditioning:
+    def _temb(self, sigma_B: torch.Tensor) -> torch.Tensor:
         dtype = self.time_linear_2.weight.dtype
         sinus_BF = timestep_sinusoid(sigma_B, dtype=dtype).to(dtype)
-        temb, _ = self.time_linear_2(torch.nn.functional.silu(self.time_linear_1(sinus_BF)[0]))
+        return self.time_linear_2(torch.nn.functional.silu(self.time_linear_1(sinus_BF)[0]))[0]
+
+    def conditioning(self, sigma_B: torch.Tensor, img_fhw: tuple[int, int, int], text_len: int,
+                     text_mask_BT: torch.Tensor | None, temb: torch.Tensor | None = None) -> QwenImageConditioning:
+        """``temb``: the timestep embedding when already known (a modulation table's), else computed from sigma."""
         img_freqs, txt_freqs = rope_freqs(img_fhw, text_len, self.arch.axes_dims_rope, self.arch.rope_theta,
                                           device=sigma_B.device)
         chunk = self._image_chunk(img_fhw[0] * img_fhw[1] * img_fhw[2])
         img_freqs = img_freqs[chunk]
-        return QwenImageConditioning(temb_BH=temb, txt_freqs=txt_freqs, img_freqs=img_freqs,
+        return QwenImageConditioning(temb_BH=self._temb(sigma_B) if temb is None else temb, txt_freqs=txt_freqs,
+                                     img_freqs=img_freqs,
                                      attn_mask_B11S=joint_attention_mask(text_mask_BT, img_freqs.shape[0]),
                                      text_len=text_len)
 
+    def modulation_table(self, sigma_N: torch.Tensor) -> ModulationTable:
+        """Every adaLN modulation of this stage at the N sigmas (conditioning.ModulationTable); a forward given
+        ``modulation=table.step(n)`` reads them instead of computing them.  Inference only (under no_grad)."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("modulation_table is for inference (a rollout): build it under torch.no_grad(); "
+                               "training computes the modulation in the forward, where its weights get gradients")
+        temb_NH = self._temb(sigma_N)
+        act_NH = torch.nn.functional.silu(temb_NH)
+        blocks = {i: (block.img_mod(act_NH)[0], block.txt_mod(act_NH)[0]) for i, block in zip(self.layers, self.blocks)}
+        return ModulationTable(temb_NH, blocks, self.norm_out_linear(act_NH) if self.post_process else None)
+
     def forward(self, img_BIC: torch.Tensor, txt_BTE: torch.Tensor, sigma_B: torch.Tensor,
-                img_fhw: tuple[int, int, int], text_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+                img_fhw: tuple[int, int, int], text_mask_BT: torch.Tensor | None = None,
+                modulation: ModulationTable | None = None) -> torch.Tensor:
+        """``modulation``: ``self.modulation_table(sigmas).step(n)`` when every row is at sigmas[n] (the caller's
+        promise: sigma_B is not read back to check it), under no_grad; None: computed here from sigma_B."""
         _check_inputs(self.arch, img_BIC, txt_BTE, sigma_B, img_fhw, text_mask_BT)
-        cond = self.conditioning(sigma_B, img_fhw, txt_BTE.shape[1], text_mask_BT)
+        if modulation is not None and (len(modulation.temb_NH) != 1 or torch.is_grad_enabled()):
+            raise ValueError(f"modulation of {len(modulation.temb_NH)} timesteps with grad "
+                             f"{'enabled' if torch.is_grad_enabled() else 'disabled'}; expected one timestep "
+                             f"(table.step(n)) under torch.no_grad()")
+        cond = self.conditioning(sigma_B, img_fhw, txt_BTE.shape[1], text_mask_BT,
+                                 None if modulation is None else modulation.temb_NH)
         if self.pre_process:
             txt_TBH = self.txt_in(self.txt_norm(txt_BTE)).transpose(0, 1)
             img_IBH = self.img_in(img_BIC[:, self._image_chunk(img_BIC.shape[1])]).transpose(0, 1)
             hidden_SBH = torch.cat([txt_TBH, img_IBH], dim=0)
         else:
             hidden_SBH = self.input_tensor
-        for block in self.blocks:
-            hidden_SBH = block(hidden_SBH, cond)
+        for i, block in zip(self.layers, self.blocks):
+            hidden_SBH = block(hidden_SBH, cond, None if modulation is None else modulation.blocks[i])
         if not self.post_process:
             return hidden_SBH
         img_IBH = hidden_SBH[cond.text_len:]
-        scale_BH, shift_BH = self.norm_out_linear(torch.nn.functional.silu(cond.temb_BH)).chunk(2, dim=-1)
+        out_mod = self.norm_out_linear(torch.nn.functional.silu(cond.temb_BH)) if modulation is None \
+            else modulation.out_N2H
+        scale_BH, shift_BH = out_mod.chunk(2, dim=-1)
         img_IBH = self.norm_out(img_IBH) * (1 + scale_BH[None]) + shift_BH[None]
         out_IBC = self.proj_out(img_IBH)
         if self.cp_groups is not None:
