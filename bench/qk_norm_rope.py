@@ -38,7 +38,7 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     img_f, txt_f = rope_freqs((1, 32, 32), TEXT, (16, 56, 56), 10000, "cuda")
-    chosen = dict(kernel.LAUNCH)
+    chosen = (kernel.HEADS_PER_STEP, kernel.NUM_WARPS)
     rows = []
     for lora in (True, False):
         txt, img = _stream(TEXT, args.batch, txt_f, lora), _stream(IMAGE, args.batch, img_f, lora)
@@ -47,15 +47,15 @@ def main() -> None:
         with torch.no_grad():
             for hb in args.heads_per_step:
                 for warps in args.warps:
-                    kernel.LAUNCH[lora] = (hb, warps)
+                    kernel.HEADS_PER_STEP, kernel.NUM_WARPS = hb, warps
                     ms = median_ms(lambda: [kernel.joint_qk_norm_rope(txt, img, heads=HEADS, eps=1e-6)
                                             for _ in range(CALLS)], args.repeats, 3) / CALLS
                     rows.append((lora, ms, hb, warps))
         del txt, img
-    kernel.LAUNCH.update(chosen)
+    kernel.HEADS_PER_STEP, kernel.NUM_WARPS = chosen
     print(f"\nbatch {args.batch}\n{'LoRA':<6} {'heads/step':>10} {'warps':>6} {'ms / block':>11}")
     for lora, ms, hb, warps in sorted(rows, key=lambda r: (not r[0], r[1])):
-        mark = "  (the kernel's setting)" if (hb, warps) == chosen[lora] else ""
+        mark = "  (the kernel's setting)" if (hb, warps) == chosen else ""
         print(f"{'yes' if lora else 'no':<6} {hb:>10} {warps:>6} {ms:>11.3f}{mark}")
 
 

@@ -121,11 +121,10 @@ def _runs_kernel(qkv: torch.Tensor, d: int) -> bool:
     return triton is not None and (qkv.is_cuda or interpreting) and not d & (d - 1)
 
 
-# Launch configuration (heads per loop step of a row's program, warps per program), by whether a LoRA output is
-# added.  At the rollout's batch 32 on an H200 (bench/qk_norm_rope.py sweeps them; bench/RESULTS.md): with a LoRA
-# output 8 x 2 ran 0.658 ms per block against 0.676 at 8 x 1 and 0.837 at 4 x 4; without one 8 x 1 ran 0.542 against
-# 0.710 at 8 x 2.
-LAUNCH = {True: (8, 2), False: (8, 1)}
+# Launch configuration: heads per loop step of a row's program, warps per program.  At the rollout's batch 32 on an
+# H200 (bench/qk_norm_rope.py, ten calls per timed run; bench/RESULTS.md) 8 x 2 ran 0.593 ms per block with a LoRA
+# output (best 0.574 at 4 x 1) and 0.440 without (the best), against 0.661 / 0.479 at 4 x 4.
+HEADS_PER_STEP, NUM_WARPS = 8, 2
 
 
 @torch.library.custom_op("megatron_omni::joint_qk_norm_rope", mutates_args=())
@@ -153,12 +152,11 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
                              f"{tuple(qkv.shape[2:])}")
         if s * b:  # (a launch over an empty grid is an error)
             lo = qkv if lora is None else lora  # (an unused pointer when there is no LoRA output)
-            heads_per_step, warps = LAUNCH[lora is not None]
             _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
                                            lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
-                                           offset, s_total, b, heads, eps, D=d, HB=heads_per_step,
+                                           offset, s_total, b, heads, eps, D=d, HB=HEADS_PER_STEP,
                                            HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-                                           num_warps=warps)
+                                           num_warps=NUM_WARPS)
         offset += s
     return q, k, v
 
