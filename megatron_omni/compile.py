@@ -11,12 +11,22 @@ times neighbouring block sizes / warp counts of every Triton kernel it generates
 gated residuals around the GEMMs) once, at compile time.  The LoRA rollout forward of the full-size Qwen-Image at
 batch 32 went 967.3 -> 957.1 ms on an H200, those kernels 69 -> 53 ms, for 12 s more compiling at the first
 forward (bench/RESULTS.md).
+
+At TP > 1, megatron-core's column-parallel linear all-reduces its input gradient inside its own autograd function
+with ``torch.distributed.all_reduce(..., async_op=True)`` (to overlap it with the weight-gradient GEMM in eager
+runs).  Dynamo cannot trace ``async_op=True``, so it leaves the whole function out of the graph and splits the
+block at every column-parallel linear: 30 graph breaks for two blocks' forward + backward at TP=2 (CPU gloo).
+``compile_blocks`` therefore sets their ``allreduce_dgrad = False``, megatron's own switch to its other path for
+the same sum: ``copy_to_tensor_model_parallel_region`` before the linear (identity forward, a synchronous
+all-reduce of the gradient backward, which dynamo traces as a functional collective).  The gradients are
+unchanged (tests/trainer/test_compile.py); scheduling the all-reduce against the GEMMs is left to inductor.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # shapes x grad modes x LoRA on/off the blocks of one run see; dynamo falls back to eager past this
@@ -34,4 +44,14 @@ def compile_blocks(model: torch.nn.Module, mode: str) -> None:
     if "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING" not in os.environ:  # (an explicit setting wins)
         torch._inductor.config.coordinate_descent_tuning = True
     for block in blocks:
+        traceable_dgrad_allreduce(block)
         block.compile(mode=mode, dynamic=False)
+
+
+def traceable_dgrad_allreduce(module: torch.nn.Module) -> int:
+    """Every megatron-core column-parallel linear in ``module`` that all-reduces its input gradient inside its
+    autograd function switched to the traceable path (see the module docstring); returns how many."""
+    switched = [m for m in module.modules() if isinstance(m, ColumnParallelLinear) and m.allreduce_dgrad]
+    for m in switched:
+        m.allreduce_dgrad = False  # forward() then routes the input through copy_to_tensor_model_parallel_region
+    return len(switched)

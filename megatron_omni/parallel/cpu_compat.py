@@ -104,6 +104,12 @@ def apply_cpu_compat() -> bool:
     if _APPLIED:
         return True
     torch.cuda.current_device = _cpu_device
+    # torch.compile folds the real current_device() to a constant (a list of functions in its torch-function
+    # handler, by identity); this twin it would trace as an op returning a non-tensor and split the graph at each
+    # call (gather_output's buffer: the modulation linears at TP > 1, twice per block).  Same fold for the twin.
+    from torch._dynamo.variables import torch as dynamo_torch_functions
+
+    dynamo_torch_functions.constant_fold_functions[_cpu_device] = None
     # torch.cuda.synchronize: p2p_communication.py:263,419 (batched p2p / variable seq lengths),
     # dist_checkpointing filesystem_async.py:248 and fully_parallel.py:287,296 (checkpoint save).
     # CPU ops are synchronous, so the CPU twin is a no-op with the same signature.  Distinct function
