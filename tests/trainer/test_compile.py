@@ -15,27 +15,32 @@ from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
 
 
+def _lora_model(arch, tp_group):
+    """The tiny model at this TP size with LoRA on the FlowGRPO targets, B nonzero (the adapters change the
+    output); the same weights at every call."""
+    torch.manual_seed(0)
+    model = QwenImageModel(arch, arch.transformer_config(tp_group.size(), params_dtype=torch.float32), tp_group,
+                           qwen_image_block_spec("local"))
+    apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(arch), seed=0)
+    for m in (mod for mod in model.modules() if hasattr(mod, "lora_B")):
+        torch.nn.init.normal_(m.lora_B, std=0.02, generator=torch.Generator().manual_seed(2))
+    return model
+
+
+def _inputs(arch):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(2, 16, arch.in_channels, generator=g), torch.randn(2, 8, arch.joint_attention_dim, generator=g)
+
+
 def test_compiled_blocks_equal_eager_rollout_and_lora_training(single_rank):
     arch = tiny_config(num_layers=2)
-
-    def build():
-        torch.manual_seed(0)
-        model = QwenImageModel(arch, arch.transformer_config(1, params_dtype=torch.float32), single_rank.tp_group,
-                               qwen_image_block_spec("local"))
-        apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(arch), seed=0)
-        for m in (mod for mod in model.modules() if hasattr(mod, "lora_B")):
-            torch.nn.init.normal_(m.lora_B, std=0.02)  # nonzero B: the adapters change the output
-        return model
-
-    model, compiled = build(), build()
+    model, compiled = _lora_model(arch, single_rank.tp_group), _lora_model(arch, single_rank.tp_group)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), compiled.parameters()))
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(compiled, "default")
     assert fuse_inference(compiled) == 3 * arch.num_layers  # the rollout engine's fused MLPs and attentions
-    g = torch.Generator().manual_seed(1)
-    img = torch.randn(2, 16, arch.in_channels, generator=g)
-    txt = torch.randn(2, 8, arch.joint_attention_dim, generator=g)
+    img, txt = _inputs(arch)
     sigma, mask = torch.tensor([0.3, 0.8]), torch.tensor([[True] * 8, [True] * 5 + [False] * 3])
     with torch.no_grad():  # the rollout's graph
         torch.testing.assert_close(compiled(img, txt, sigma, (1, 4, 4), mask), model(img, txt, sigma, (1, 4, 4), mask),
@@ -108,23 +113,11 @@ def _column_switched_vs_megatron(state):
 def _tp2_compiled_vs_eager(state):
     """At TP=2 (gloo): the LoRA model's compiled blocks against eager, forward + backward; graph breaks counted."""
     arch = tiny_config(num_layers=2)
-
-    def build():
-        torch.manual_seed(0)
-        model = QwenImageModel(arch, arch.transformer_config(2, params_dtype=torch.float32), state.tp_group,
-                               qwen_image_block_spec("local"))
-        apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(arch), seed=0)
-        for m in (mod for mod in model.modules() if hasattr(mod, "lora_B")):
-            torch.nn.init.normal_(m.lora_B, std=0.02, generator=torch.Generator().manual_seed(2))
-        return model
-
-    model, compiled = build(), build()
+    model, compiled = _lora_model(arch, state.tp_group), _lora_model(arch, state.tp_group)
     torch._dynamo.reset()
     counters.clear()
     compile_blocks(compiled, "default")
-    g = torch.Generator().manual_seed(1)
-    img = torch.randn(2, 16, arch.in_channels, generator=g)
-    txt = torch.randn(2, 8, arch.joint_attention_dim, generator=g)
+    img, txt = _inputs(arch)
     outs, grads = [], []
     for m in (model, compiled):
         out = m(img, txt, torch.tensor([0.3, 0.8]), (1, 4, 4), None)
