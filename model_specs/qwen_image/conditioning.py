@@ -23,7 +23,8 @@ ROPE_TABLE_LEN = 4096  # positions precomputed by QwenEmbedRope (both signs)
 class QwenImageConditioning:
     """What every block needs besides the hidden states; travels explicitly, never via attention_mask.
 
-    temb_BH:       timestep embedding, [B, hidden] (input of every adaLN modulation).
+    temb_BH:       timestep embedding, [B, hidden] (input of every adaLN modulation); [1, hidden] from a
+                   ModulationTable's step, broadcast over the batch.
     txt_freqs:     RoPE (cos, sin) for text tokens, float32 [S_T, D/2, 2].
     img_freqs:     RoPE (cos, sin) for image tokens, float32 [S_I, D/2, 2].
     attn_mask_B11S: bool, True = attend; None when no text token is padding (lets SDPA pick flash).
