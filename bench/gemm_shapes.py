@@ -14,6 +14,10 @@ bias in cuBLAS's epilogue (addmm); ``x·Wt`` the weight pre-transposed to [K, N]
 with ``torch.backends.cuda.preferred_blas_library('cublaslt')``; ``autotune`` inductor's max-autotune GEMM
 (cuBLAS or Triton templates, its tuning time printed apart).  For fc1 also ``+gelu``: bias + GELU-tanh in the
 epilogue (the rollout engine's fused MLP).  Each product is checked against float32 before it is timed.
+
+Then, for the rollout: each linear's text and image products (same K and N, their own weights) as ONE grouped GEMM
+(``torch._grouped_mm`` over the rows of both streams, the two weights stacked) against the two cuBLAS calls the
+model makes: the text stream's M = batch x 128 leaves most of a wave of SMs idle on its own.
 """
 from __future__ import annotations
 
@@ -120,6 +124,36 @@ def main() -> None:
         print(f"  {phase:<8} {pass_:<6} {col:<9} {ms:9.1f} ms")
     if args.autotune:
         print(f"  (autotune: {tuning:.0f} s of tuning and compiling)")
+    if "rollout" in args.only:
+        grouped_streams(PHASES["rollout"][0], args.repeats)
+
+
+def grouped_streams(batch: int, repeats: int, device: str = "cuda") -> None:
+    """Text + image products of each linear: two F.linear calls against one grouped GEMM; prints a table."""
+    m_txt, m_img = batch * 128, batch * 1024
+    offs = torch.tensor([m_txt, m_txt + m_img], device=device, dtype=torch.int32)
+    print(f"\nrollout batch {batch}: text ({m_txt} rows) + image ({m_img} rows) per linear\n"
+          f"{'linear':<6} {'two GEMMs ms':>13} {'grouped ms':>11} {'saved':>7}")
+    sums = [0.0, 0.0]
+    for name, k, n in LINEARS:
+        x = torch.randn(m_txt + m_img, k, device=device, dtype=torch.bfloat16)  # [text rows; image rows]
+        w = torch.randn(2, n, k, device=device, dtype=torch.bfloat16) / k ** 0.5  # (text, image) as stored
+        wt = w.transpose(1, 2)  # [2, K, N] views of the stored weights
+        ref = torch.cat([x[:m_txt].float() @ w[0].float().t(), x[m_txt:].float() @ w[1].float().t()])
+        try:
+            got = torch._grouped_mm(x, wt, offs=offs).float()
+        except RuntimeError as exc:  # (a device or build without the grouped kernel)
+            print(f"torch._grouped_mm unavailable here: {str(exc).splitlines()[0]}")
+            return
+        if (err := ((got - ref).norm() / ref.norm()).item()) > 1e-2:
+            raise SystemExit(f"grouped {name}: relative error {err:.2e} against float32 (> 1e-2)")
+        with torch.no_grad():
+            two = median_ms(lambda: (F.linear(x[:m_txt], w[0]), F.linear(x[m_txt:], w[1])), repeats, warmup=3)
+            one = median_ms(lambda: torch._grouped_mm(x, wt, offs=offs), repeats, warmup=3)
+        sums[0], sums[1] = sums[0] + two * BLOCKS, sums[1] + one * BLOCKS
+        print(f"{name:<6} {two:>13.3f} {one:>11.3f} {1 - one / two:>7.1%}")
+        del x, w, wt, ref, got
+    print(f"over 60 blocks: {sums[0]:.1f} ms as two GEMMs, {sums[1]:.1f} ms grouped")
 
 
 if __name__ == "__main__":
