@@ -81,12 +81,60 @@ def profile_kernels(fn, title: str, top: int = 12, host: bool = False, shapes: b
         rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
         for e in rows:
             print(f"  {e.self_cpu_time_total / 1e3:>9.1f} ms {e.count:>6}x  {e.key[:110]}")
+    if host:
+        idle_gaps(prof.events(), top)
     if shapes:
         print("  matmul ops by device time, with input shapes:")
         ops = [e for e in prof.key_averages(group_by_input_shape=True) if re.search(r"mm|linear|matmul|addmm", e.key)]
         for e in sorted(ops, key=lambda e: -e.device_time_total)[:top]:
             print(f"  {e.device_time_total / 1e3:>9.1f} ms {e.count:>6}x  {e.key} {e.input_shapes}")
     return {**by_kind, "wall": wall_ms, "kernels": total}
+
+
+def _intervals(events, device: bool) -> list[tuple[float, float, object]]:
+    want = torch.autograd.DeviceType.CUDA if device else torch.autograd.DeviceType.CPU
+    return sorted((e.time_range.start, e.time_range.end, e) for e in events
+                  if e.device_type == want and e.time_range.end > e.time_range.start)
+
+
+def _chain(evt, levels: int = 3) -> str:
+    """An op's name with its host-side parents' (outermost first, ``levels`` deep at most)."""
+    names = []
+    while evt is not None and len(names) < levels:
+        names.append(evt.name[:50])
+        evt = evt.cpu_parent
+    return " < ".join(names)
+
+
+def idle_gaps(events, top: int = 12, min_us: float = 10.0) -> float:
+    """Print where the GPU sat idle: every gap of at least ``min_us`` between kernels (all streams merged), charged
+    to the host op that was running when the gap ended, i.e. the op that launched the kernel the GPU was waiting
+    for (with its parents).  Returns the idle milliseconds."""
+    import bisect
+
+    kernels = _intervals(events, device=True)
+    if not kernels:
+        return 0.0
+    gaps, reach = [], kernels[0][1]
+    for start, end, _ in kernels[1:]:
+        if start - reach >= min_us:
+            gaps.append((reach, start))
+        reach = max(reach, end)
+    host = _intervals(events, device=False)
+    starts = [h[0] for h in host]
+    charged: Counter = Counter()
+    for g0, g1 in gaps:
+        i, deepest = bisect.bisect_right(starts, g1) - 1, None
+        for j in range(i, max(i - 5000, -1), -1):  # the latest-starting host op still running at g1: the innermost
+            if host[j][1] >= g1:
+                deepest = host[j][2]
+                break
+        charged[_chain(deepest) if deepest is not None else "(no host op)"] += (g1 - g0) / 1e3
+    idle = sum(charged.values())
+    print(f"  GPU idle in gaps >= {min_us:.0f} us: {idle:.1f} ms over {len(gaps)} gaps; by the host op ending them:")
+    for place, ms in charged.most_common(top):
+        print(f"  {ms:>9.1f} ms  {place[:150]}")
+    return idle
 
 
 def sync_points(fn, top: int = 10) -> Counter:
