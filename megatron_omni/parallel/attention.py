@@ -17,10 +17,6 @@ class JointSDPACoreAttention(torch.nn.Module):
     flash kernel; with one it uses cuDNN / memory-efficient attention (flash refuses boolean masks).
     """
 
-    # takes q, k, v that are [S, B, N, D] views of batch-major memory (the fused inference path of
-    # model_specs.qwen_image.layers writes them so): their [B, N, S, D] permutes are SDPA's native strides
-    batch_major = True
-
     def __init__(self, cp_groups=None):
         super().__init__()
         if cp_groups is not None and cp_groups.cp > 1:
@@ -32,7 +28,8 @@ class JointSDPACoreAttention(torch.nn.Module):
         q_BNSD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (q_SBND, k_SBND, v_SBND))
         out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, attn_mask=attn_mask_B11S)
         s, b, n, d = q_SBND.shape
-        # contiguous [S, B, N*D]: after batch-major q, k, v the output is batch-major too, and a strided view
-        # cannot fold into one GEMM: torch.matmul then ran the image stream's output projection as a bmm
-        # over a broadcast weight (126 ms of a 1045 ms LoRA rollout forward on an H200; the copy is ~0.1 ms)
+        # contiguous [S, B, N*D]: SDPA writes its output in q's layout, so for contiguous [S, B, N, D] q (both the
+        # model's paths) this is a view.  A strided view of batch-major memory cannot fold into one GEMM: torch.matmul
+        # then ran the image stream's output projection as a bmm over a broadcast weight (126 ms of a 1045 ms LoRA
+        # rollout forward on an H200), hence the copy for other layouts
         return out_BNSD.permute(2, 0, 1, 3).contiguous().view(s, b, n * d)

@@ -59,8 +59,6 @@ class JointAttention(MegatronModule):
             return "the q / k norms are not torch.nn.RMSNorm with a weight and an explicit eps"
         if len({n.eps for n in norms}) != 1:
             return f"the q / k norms have different eps {sorted({n.eps for n in norms})}"
-        if not getattr(self.core_attention, "batch_major", False):
-            return f"{type(self.core_attention).__name__} does not take batch-major q, k, v"
         return ""
 
     def refresh_fused(self) -> None:
@@ -71,8 +69,7 @@ class JointAttention(MegatronModule):
         qkv_t, bias_t, lora_t = column_parts(self.linear_added_qkv, txt_SBH)
         streams = ((qkv_t, self.added_q_layernorm.weight, self.added_k_layernorm.weight, cond.txt_freqs, bias_t,
                     lora_t), (qkv_i, self.q_layernorm.weight, self.k_layernorm.weight, cond.img_freqs, bias_i, lora_i))
-        q, k, v = joint_qk_norm_rope(*streams, heads=self.local_heads, eps=self.q_layernorm.eps)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return joint_qk_norm_rope(*streams, heads=self.local_heads, eps=self.q_layernorm.eps)
 
     def _qkv(self, linear, q_layernorm, k_layernorm, x_SBH, freqs):
         qkv_SBN3D, _ = linear(x_SBH)

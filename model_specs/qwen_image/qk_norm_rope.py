@@ -1,5 +1,5 @@
 """Joint attention's q / k / v preparation in one pass: per-head RMSNorm of q and k, RoPE on both, and every
-stream's rows written into the joint [text; image] sequence in the batch-major layout SDPA reads.
+stream's rows written into the joint [text; image] sequence in Megatron's [S, B, N, D] layout.
 
 Why: unfused (or as torch.compile fuses it) this is a reduction kernel per norm, a pointwise norm + RoPE
 kernel and a concatenation copy per tensor: q and k are read and written about three times.  On the
@@ -13,8 +13,11 @@ RMSNorm in float32 rounded to the input dtype, then the float32 rotation of ``co
 
 Layout: a stream's QKV is [S, B, N * 3D] with rows interleaved per head ([q_h, k_h, v_h]), as
 ``checkpoints_convert.mapping.fuse_qkv`` lays out the weight.  RoPE tables are float32 [S, D/2, 2]
-(cos, sin).  Outputs are [B, S_T + S_I, N, D] contiguous (batch-major); callers take ``transpose(0, 1)``
-for Megatron's [S, B, N, D].
+(cos, sin).  Outputs are [S_T + S_I, B, N, D] contiguous, the layout of the unfused path's concatenation.  SDPA
+reads their [B, N, S, D] permutes natively and writes its output in the same sequence-major layout, so the
+attention output needs no transposing copy before the output projections.  (Until 2026-12-01 this kernel wrote
+batch-major q, k, v: cuDNN attention ran 1 % faster on them, but its batch-major output then took a [S, B, H] copy,
+0.077 ms per block at batch 8 and 0.298 at batch 32 on an H200, bench/RESULTS.md.)
 """
 from __future__ import annotations
 
@@ -54,10 +57,10 @@ def _reference(streams, heads: int, eps: float):
         s, b = qkv.shape[:2]
         q, k, v = qkv.view(s, b, heads, -1).split(qkv.shape[-1] // (3 * heads), dim=-1)
         d = q.shape[-1]
-        qs.append(apply_rope(F.rms_norm(q, (d,), wq, eps), freqs).transpose(0, 1))
-        ks.append(apply_rope(F.rms_norm(k, (d,), wk, eps), freqs).transpose(0, 1))
-        vs.append(v.transpose(0, 1))
-    return tuple(torch.cat(parts, dim=1) for parts in (qs, ks, vs))
+        qs.append(apply_rope(F.rms_norm(q, (d,), wq, eps), freqs))
+        ks.append(apply_rope(F.rms_norm(k, (d,), wk, eps), freqs))
+        vs.append(v)
+    return tuple(torch.cat(parts, dim=0) for parts in (qs, ks, vs))
 
 
 if triton is not None:
@@ -87,7 +90,7 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv, stride_s, stride_b, bias, lora, lstride_s, lstride_b, wq, wk, freqs, q_out, k_out,
-                             v_out, s_offset, s_total, B, N, eps, D: tl.constexpr, HB: tl.constexpr,
+                             v_out, s_offset, B, N, eps, D: tl.constexpr, HB: tl.constexpr,
                              HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
         row = tl.program_id(0)  # one (token, sample) row of the stream: all its heads
         s, b = row // B, row % B
@@ -99,7 +102,7 @@ if triton is not None:
         wk_e, wk_o = tl.load(wk + 2 * pair).to(tl.float32), tl.load(wk + 2 * pair + 1).to(tl.float32)
         src = qkv + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b
         lsrc = lora + s.to(tl.int64) * lstride_s + b.to(tl.int64) * lstride_b
-        dst = (b.to(tl.int64) * s_total + s_offset + s) * N * D
+        dst = ((s_offset + s).to(tl.int64) * B + b) * N * D  # row (s_offset + s, b) of the joint [S, B, N, D]
         for h0 in range(0, N, HB):
             h = h0 + hs
             m = (h < N)[:, None]
@@ -139,7 +142,6 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
     if not _runs_kernel(qkv_img, d):
         return _reference(streams, heads, eps)
     q, k, v = _empty_outputs(qkv_txt, qkv_img, heads)
-    s_total = q.shape[1]
     offset = 0
     for qkv, wq, wk, freqs, bias, lora in streams:
         s, b = qkv.shape[:2]
@@ -154,7 +156,7 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
             lo = qkv if lora is None else lora  # (an unused pointer when there is no LoRA output)
             _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
                                            lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
-                                           offset, s_total, b, heads, eps, D=d, HB=HEADS_PER_STEP,
+                                           offset, b, heads, eps, D=d, HB=HEADS_PER_STEP,
                                            HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
                                            num_warps=NUM_WARPS)
         offset += s
@@ -163,7 +165,7 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
 
 def _empty_outputs(qkv_txt, qkv_img, heads):
     s, b, width = qkv_txt.shape[0] + qkv_img.shape[0], qkv_img.shape[1], qkv_img.shape[2]
-    shape = (b, s, heads, width // (3 * heads))
+    shape = (s, b, heads, width // (3 * heads))
     return tuple(qkv_img.new_empty(shape) for _ in range(3))
 
 
@@ -174,7 +176,7 @@ def _(qkv_txt, qkv_img, wq_txt, wk_txt, wq_img, wk_img, freqs_txt, freqs_img, he
 
 
 def joint_qk_norm_rope(txt, img, heads: int, eps: float):
-    """q, k, v [B, S_T + S_I, N, D] from two streams, each (qkv [S, B, N*3D], q_norm weight [D],
+    """q, k, v [S_T + S_I, B, N, D] from two streams, each (qkv [S, B, N*3D], q_norm weight [D],
     k_norm weight [D], RoPE freqs [S, D/2, 2][, bias [N*3D] or None, LoRA output [S, B, N*3D] or None]).
     A stream's bias and LoRA output are added to its qkv here (float32, one rounding) rather than by a separate
     pass that writes the sum and reads it back (~1.2 GB per block at the rollout's batch 32)."""

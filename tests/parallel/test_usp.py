@@ -7,6 +7,7 @@ import torch.distributed as dist
 from checkpoints_convert.convert import hf_state_from_mcore, mcore_state_from_hf
 from megatron_omni.parallel.state import destroy_parallel, init_parallel
 from megatron_omni.parallel.testing import run_distributed
+from model_specs.common.fusion import fuse_inference
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
 from tests.qwen_image_reference import (
@@ -86,6 +87,13 @@ def _usp_worker():
             for (batch, text_len, fhw, pad), expected in zip(CASES, ref_outs):
                 img, txt, sigma, mask = make_inputs(arch, batch, text_len, fhw, pad)
                 fwd.append(rel_err(model(img, txt, sigma, fhw, mask), expected))
+            # the rollout engine's inference fusions under USP too: the q / k norm + RoPE op writes the joint
+            # [S, B, N, D] layout the CP attention takes (torch ops here: Triton runs on CUDA)
+            assert fuse_inference(model, strict=True) == 3 * arch.num_layers
+            for (batch, text_len, fhw, pad), expected in zip(CASES, ref_outs):
+                img, txt, sigma, mask = make_inputs(arch, batch, text_len, fhw, pad)
+                fwd.append(rel_err(model(img, txt, sigma, fhw, mask), expected))
+            fuse_inference(model, enable=False)
         batch, text_len, fhw, pad = GRAD_CASE
         img, txt, sigma, mask = make_inputs(arch, batch, text_len, fhw, pad)
         (model(img, txt, sigma, fhw, mask) * _loss_weights(arch, batch, img.shape[1])).sum().backward()

@@ -166,9 +166,12 @@ def _kernel_vs_torch_ops(device: str, dtypes, heads: int, head_dim: int, added: 
         got = joint_qk_norm_rope(txt, img, heads=heads, eps=1e-6)
         want = _reference((txt, img), heads, 1e-6)
         for name, a, e in zip("qkv", got, want):
-            assert a.shape == (b, 37, heads, head_dim) and a.is_contiguous(), name
+            assert a.shape == (37, b, heads, head_dim) and a.is_contiguous(), name  # Megatron's [S, B, N, D]
             err = ((a.float() - e.float()).norm() / e.float().norm()).item()
             assert err < tol, (name, dtype, err)
+        if not added:  # v is the input's own slice: text rows first, then image, per head [q_h, k_h, v_h]
+            v_of = lambda qkv: qkv.reshape(*qkv.shape[:2], heads, 3, head_dim)[..., 2, :]  # noqa: E731
+            assert torch.equal(got[2], torch.cat([v_of(qkv_t), v_of(qkv_i)]))
         if added:
             assert torch.equal(got[2], want[2]), "v: the sum rounded differently"
 
