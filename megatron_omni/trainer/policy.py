@@ -24,6 +24,7 @@ from megatron_omni.parallel.cpu_compat import cuda_factories_on_cpu
 from megatron_omni.parallel.mcore_fallbacks import use_fast_fallbacks
 from megatron_omni.parallel.pipeline import stage_layers
 from megatron_omni.parallel.state import ParallelState
+from megatron_omni.trainer.grad_flush import GradFlush, batchable, mark_for_flush
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Policy:
     state: ParallelState
     modules: list[QwenImageModel] = field(default_factory=list)  # every chunk of this rank, in order
     models: list[DistributedDataParallel] = field(default_factory=list)
+    grad_flush: GradFlush | None = None  # the adds into main_grad, batched (megatron_omni.trainer.grad_flush)
 
     @property
     def is_last_stage(self) -> bool:
@@ -71,24 +73,35 @@ def build_chunks(arch: QwenImageConfig, state: ParallelState, config, backend: s
 def build_policy(arch: QwenImageConfig, state: ParallelState, *, lr: float, weight_decay: float = 0.0,
                  clip_grad: float = 1.0, dtype: torch.dtype = torch.float32, backend: str = "local",
                  prepare: Callable[[QwenImageModel], None] | None = None,
-                 layout: Sequence[int] | None = None) -> Policy:
+                 layout: Sequence[int] | None = None, batched_grads: bool = True) -> Policy:
     """``prepare(module)`` runs on every chunk before DDP wraps it: load weights, attach LoRA, freeze
-    params.  ``layout``: blocks per pipeline chunk (default: an even split)."""
+    params.  ``layout``: blocks per pipeline chunk (default: an even split).  ``batched_grads``: accumulate the
+    gradients into DDP's main_grad with one multi-tensor add per micro-batch where the layout allows
+    (``megatron_omni.trainer.grad_flush``; bit-identical to megatron's per-parameter hooks, which run otherwise)."""
     config = policy_transformer_config(arch, state, dtype)
     modules = [m.to(state.torch_device) for m in build_chunks(arch, state, config, backend, layout)]
-    ddps = []
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    batched = batched_grads and batchable(state.pp, len(modules), ddp_config.overlap_grad_reduce)
+    ddp_config.delay_wgrad_compute = batched  # megatron's switch: marked params get no per-parameter hook
+    ddps, flushed = [], None
     for i, module in enumerate(modules):
         if prepare is not None:
             prepare(module)
-        ddps.append(DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module,
-                                            pg_collection=state.pg_collection, disable_bucketing=i > 0))
+        flushed = mark_for_flush(module) if batched else None
+        ddps.append(DistributedDataParallel(config, ddp_config, module, pg_collection=state.pg_collection,
+                                            disable_bucketing=i > 0))
+    grad_flush = None
+    if batched:
+        grad_flush = GradFlush(flushed)
+        grad_flush.install(modules[0], config)
     use_fast_fallbacks()  # the grad-norm fallback without apex / TE syncs per tensor
     opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                                  bf16=dtype == torch.bfloat16, params_dtype=dtype, adam_beta1=0.9, adam_beta2=0.999)
     with cuda_factories_on_cpu():
         optimizer = get_megatron_optimizer(opt_config, ddps, pg_collection=state.pg_collection,
                                            use_gloo_process_groups=False)
-    return Policy(module=modules[0], model=ddps[0], optimizer=optimizer, state=state, modules=modules, models=ddps)
+    return Policy(module=modules[0], model=ddps[0], optimizer=optimizer, state=state, modules=modules, models=ddps,
+                  grad_flush=grad_flush)
 
 
 def compile_policy(policy: Policy, mode: str) -> None:

@@ -1,0 +1,73 @@
+"""Gradient accumulation into megatron DDP's main_grad with one multi-tensor add per micro-batch, instead of one
+Python hook and one add kernel per parameter per micro-batch.
+
+Why: megatron-core's DDP hooks every trainable parameter's AccumulateGrad node with a Python function that adds
+the parameter's gradient into its (fp32) ``main_grad``.  A LoRA r64 Qwen-Image has 1440 adapter tensors: 5760 hook
+calls and add kernels per optimizer step of 4 micro-batches.  Between the compiled backward graphs of two blocks
+the GPU then waits for the host to run 24 of them: in the compiled LoRA training step on an H200 the GPU sat idle
+174 ms of a 2.46 s step in gaps that ended with such an add (``bench/_profile.idle_gaps``, bench/RESULTS.md).
+
+How: the parameters are marked for megatron's own switch for "another party accumulates this weight gradient"
+(``DistributedDataParallelConfig.delay_wgrad_compute`` with ``param.skip_backward_post_hook``: DDP then hooks the
+parameter only through a module's ``register_wgrad_accumulation_and_reduce_hooks``, which no module of ours has),
+so autograd leaves each backward's gradient in ``param.grad`` (the first AccumulateGrad keeps the tensor: no
+kernel).  ``GradFlush.flush`` then does ``main_grad += grad`` for all of them in one ``torch._foreach_add_`` and
+drops the grads.  It runs before every forward of the model (a forward pre-hook: the previous micro-batch's
+backward is done by then) and before ``finalize_model_grads`` (the last micro-batch).  These are the adds the hook
+made, in the same order: ``main_grad`` is bit-identical (tests/trainer/test_grad_flush.py).
+
+Only where every backward is followed by a forward or the end of the step: no pipelining (pp == 1, one chunk) and
+no overlapped gradient reduction (``overlap_grad_reduce`` needs the per-parameter ready signal).  Elsewhere the
+policy keeps megatron's hooks.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def batchable(pp: int, chunks: int, overlap_grad_reduce: bool) -> bool:
+    """Whether a policy of this layout can accumulate through ``GradFlush`` (see the module docstring)."""
+    return pp == 1 and chunks == 1 and not overlap_grad_reduce
+
+
+def mark_for_flush(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Mark ``module``'s trainable parameters so that megatron DDP (built with ``delay_wgrad_compute=True``) leaves
+    their accumulation to a ``GradFlush``; call before building the DDP.  Returns them."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.skip_backward_post_hook = True
+    return params
+
+
+class GradFlush:
+    """``main_grad += grad`` for every marked parameter of a DDP-wrapped module, in one multi-tensor add."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        missing = [tuple(p.shape) for p in params if getattr(p, "main_grad", None) is None]
+        if missing:
+            raise ValueError(f"GradFlush: {len(missing)} parameter(s) without a main_grad (e.g. shape {missing[0]}); "
+                             f"build megatron's DistributedDataParallel over them first")
+        self.params = params
+        self.flushes = 0  # flushes that moved at least one gradient (tests and logs read it)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        # (megatron's optimizer points an fp32 parameter's .grad at its main_grad for its step: not a new gradient)
+        pending = [p for p in self.params if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr()]
+        if not pending:
+            return
+        torch._foreach_add_([p.main_grad for p in pending], [p.grad for p in pending])
+        for p in pending:
+            p.grad = None
+        self.flushes += 1
+
+    def install(self, module: torch.nn.Module, config) -> None:
+        """Flush before every forward of ``module`` and before ``config.finalize_model_grads_func``."""
+        module.register_forward_pre_hook(lambda *unused: self.flush())
+        finalize = config.finalize_model_grads_func
+
+        def flush_then_finalize(*args, **kwargs):
+            self.flush()
+            return finalize(*args, **kwargs)
+
+        config.finalize_model_grads_func = flush_then_finalize

@@ -1,0 +1,98 @@
+"""megatron_omni.trainer.grad_flush: main_grad accumulated by one multi-tensor add per micro-batch is bit-identical
+to megatron DDP's per-parameter hooks (LoRA and full fine-tuning, one rank and data parallel over 2 gloo ranks),
+and the policy uses it only where the layout allows."""
+import pytest
+import torch
+
+from checkpoints_convert.qwen_image import qwen_image_rules
+from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig
+from megatron_omni.algorithms.flow_grpo_step import FlowGRPOMicroBatch, flow_grpo_forward_step
+from megatron_omni.parallel.state import destroy_parallel, init_parallel
+from megatron_omni.parallel.testing import run_distributed
+from megatron_omni.trainer.grad_flush import GradFlush, batchable
+from megatron_omni.trainer.policy import build_policy, run_microbatches
+from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
+from tests.qwen_image_reference import tiny_config
+
+FHW = (1, 4, 4)
+
+
+def _micro_batches(arch, count: int, seed: int, dtype) -> list[FlowGRPOMicroBatch]:
+    g = torch.Generator().manual_seed(seed)
+    n, b = FHW[0] * FHW[1] * FHW[2], 2
+    out = []
+    for _ in range(count):
+        t = torch.rand(b, generator=g) * 0.6 + 0.3
+        out.append(FlowGRPOMicroBatch(
+            x_t=torch.randn(b, n, arch.in_channels, generator=g),
+            txt=torch.randn(b, 5, arch.joint_attention_dim, generator=g).to(dtype),
+            txt_mask=None, img_fhw=FHW, x_next=torch.randn(b, n, arch.in_channels, generator=g), t=t, t_next=t - 0.2,
+            old_log_prob=torch.zeros(b), advantage=torch.randn(b, generator=g), noise_level=0.7, sigma_1=0.95))
+    return out
+
+
+def _lora(module):
+    torch.manual_seed(1)
+    apply_lora(module, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(module.arch), seed=3)
+    for name, p in module.named_parameters():
+        if name.endswith("lora_B"):
+            p.data.normal_(std=0.1)  # nonzero, as after some training
+
+
+def _two_steps(state, batched: bool, lora: bool, dtype=torch.float32) -> tuple[list[torch.Tensor], list[float], int]:
+    """Parameters after two optimizer steps of 3 micro-batches each (per-rank data), the grad norms, and the
+    flushes made; the model starts from one seed on every rank."""
+    arch = tiny_config()
+    torch.manual_seed(0)
+    policy = build_policy(arch, state, lr=1e-2, clip_grad=1.0, dtype=dtype, prepare=_lora if lora else None,
+                          batched_grads=batched)
+    assert (policy.grad_flush is not None) == batched
+    assert (len(policy.model.grad_accs) == 0) == batched  # no per-parameter hook when batched
+    step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=1e-4))
+    norms = []
+    for k in range(2):
+        mbs = _micro_batches(arch, 3, seed=10 * k + state.dp_rank, dtype=dtype)
+        run_microbatches(policy, step, mbs, forward_only=True)  # a forward-only pass between steps: nothing to add
+        _, grad_norm = run_microbatches(policy, step, mbs)
+        norms.append(float(grad_norm))
+    trained = [p.detach().clone() for p in policy.module.parameters() if p.requires_grad]
+    return trained, norms, policy.grad_flush.flushes if batched else 0
+
+
+def _compare(state, lora: bool, dtype=torch.float32):
+    (p_hook, n_hook, _), (p_flush, n_flush, flushes) = (_two_steps(state, b, lora, dtype) for b in (False, True))
+    assert flushes == 6  # one per micro-batch (5 before a forward, the last before finalize) x 2 steps
+    assert n_hook == n_flush and all(n > 0 for n in n_hook)
+    assert len(p_hook) == len(p_flush) and all(torch.equal(a, b) for a, b in zip(p_hook, p_flush))
+
+
+@pytest.mark.parametrize("lora,dtype", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16)],
+                         ids=["lora", "full", "lora-bf16"])
+def test_batched_accumulation_is_bit_identical_to_megatron_hooks(single_rank, lora, dtype):
+    """bf16: the parameters' bf16 gradients added into DDP's fp32 main_grad, as on the GPU."""
+    _compare(single_rank, lora, dtype)
+
+
+def _dp_worker():
+    state = init_parallel(seed=0, device="cpu")
+    try:
+        _compare(state, lora=True)
+    finally:
+        destroy_parallel()
+    return state.dp
+
+
+def test_batched_accumulation_under_data_parallel_2_ranks():
+    assert run_distributed(_dp_worker, world_size=2, timeout_s=300) == [2, 2]
+
+
+def test_layouts_that_keep_megatrons_hooks():
+    assert batchable(pp=1, chunks=1, overlap_grad_reduce=False)
+    assert not batchable(pp=2, chunks=1, overlap_grad_reduce=False)  # 1F1B runs backwards back to back
+    assert not batchable(pp=1, chunks=2, overlap_grad_reduce=False)
+    assert not batchable(pp=1, chunks=1, overlap_grad_reduce=True)  # needs the per-parameter ready signal
+
+
+def test_flush_needs_ddp_buffers():
+    with pytest.raises(ValueError, match="without a main_grad .* build megatron's DistributedDataParallel"):
+        GradFlush([torch.nn.Parameter(torch.zeros(3))])
