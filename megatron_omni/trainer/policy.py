@@ -77,7 +77,9 @@ def build_policy(arch: QwenImageConfig, state: ParallelState, *, lr: float, weig
     """``prepare(module)`` runs on every chunk before DDP wraps it: load weights, attach LoRA, freeze
     params.  ``layout``: blocks per pipeline chunk (default: an even split).  ``batched_grads``: accumulate the
     gradients into DDP's main_grad with one multi-tensor add per micro-batch where the layout allows
-    (``megatron_omni.trainer.grad_flush``; bit-identical to megatron's per-parameter hooks, which run otherwise)."""
+    (``megatron_omni.trainer.grad_flush``; bit-identical to megatron's per-parameter hooks, which run otherwise).
+    Train through ``run_microbatches`` (megatron's schedule); a hand-written backward must call
+    ``policy.grad_flush.flush()`` before the optimizer step, or its gradients never reach main_grad."""
     config = policy_transformer_config(arch, state, dtype)
     modules = [m.to(state.torch_device) for m in build_chunks(arch, state, config, backend, layout)]
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
