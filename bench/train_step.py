@@ -2,7 +2,7 @@
 under torch.compile, per micro-batch size.  Prints one table (s / optimizer step, TFLOP/s, MFU, peak memory).
 
     python bench/train_step.py [--modes lora full] [--micro-batches 4 8] [--compile default] [--steps 3]
-                               [--full-layers 12] [--profile] [--grad-accumulation batched hooks]
+                               [--full-layers 12] [--profile] [--grad-accumulation auto batched hooks]
     python bench/train_step.py --smoke      # tiny model on the CPU: checks the script runs; times mean nothing
 
 One optimizer step = the recipe's 32 (sample, step) pairs (group 16 x SDE window 2, 512x512 + 128 text
@@ -64,7 +64,7 @@ def _with_old_log_probs(policy, mbs: list[FlowGRPOMicroBatch], step) -> None:
 
 
 def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, steps: int,
-        profile: bool, batched_grads: bool = True) -> dict:
+        profile: bool, batched_grads: bool | None = None) -> dict:
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from megatron_omni.trainer.policy import build_policy, compile_policy, run_microbatches
     from model_specs.common.lora import apply_lora
@@ -123,9 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--full-layers", type=int, default=12, help="blocks of the full fine-tuning model")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of one more step of every run")
-    p.add_argument("--grad-accumulation", nargs="+", choices=("batched", "hooks"), default=["batched"],
-                   help="DDP's main_grad adds: one multi-tensor add per micro-batch (the trainer's default, "
-                        "megatron_omni.trainer.grad_flush) and / or megatron's per-parameter hooks")
+    p.add_argument("--grad-accumulation", nargs="+", choices=("auto", "batched", "hooks"), default=["auto"],
+                   help="DDP's main_grad adds: the trainer's choice (auto: batched for LoRA, hooks for full "
+                        "fine-tuning), one multi-tensor add per micro-batch (megatron_omni.trainer.grad_flush) "
+                        "and / or megatron's per-parameter hooks")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     peak = device_peak_flops(torch.bfloat16) if not args.smoke else None
@@ -137,9 +138,10 @@ def main(argv: list[str] | None = None) -> None:
                 recipe = make_recipe(args.smoke, micro_batch=mb)
                 if mode == "full" and not args.smoke:
                     recipe.arch = type(recipe.arch)(num_layers=args.full_layers)
-                name = f"{mode} mb{mb} {cm or 'eager'}" + (" hooks" if acc == "hooks" else "")
+                name = f"{mode} mb{mb} {cm or 'eager'}" + ("" if acc == "auto" else f" {acc}")
                 try:
-                    r = run(recipe, mode, mb, cm, args.steps, args.profile, batched_grads=acc == "batched")
+                    r = run(recipe, mode, mb, cm, args.steps, args.profile,
+                            batched_grads={"auto": None, "batched": True, "hooks": False}[acc])
                 except torch.OutOfMemoryError as err:
                     print(f"{name}: out of memory ({str(err).splitlines()[0][:120]})", flush=True)
                     rows.append((name, None, recipe))

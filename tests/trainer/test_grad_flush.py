@@ -86,6 +86,14 @@ def test_batched_accumulation_under_data_parallel_2_ranks():
     assert run_distributed(_dp_worker, world_size=2, timeout_s=300) == [2, 2]
 
 
+def test_batched_by_default_for_adapters_only(single_rank):
+    arch = tiny_config()
+    lora = build_policy(arch, single_rank, lr=1e-2, prepare=_lora)
+    full = build_policy(arch, single_rank, lr=1e-2)
+    assert lora.grad_flush is not None and len(lora.model.grad_accs) == 0
+    assert full.grad_flush is None and len(full.model.grad_accs) == sum(p.requires_grad for p in full.module.parameters())
+
+
 def test_layouts_that_keep_megatrons_hooks():
     assert batchable(pp=1, chunks=1, overlap_grad_reduce=False)
     assert not batchable(pp=2, chunks=1, overlap_grad_reduce=False)  # 1F1B runs backwards back to back
