@@ -1,5 +1,5 @@
 """megatron_omni.trainer.grad_flush: main_grad accumulated by one multi-tensor add per micro-batch is bit-identical
-to megatron DDP's per-parameter hooks (LoRA and full fine-tuning, one rank and data parallel over 2 gloo ranks),
+to megatron DDP's per-parameter hooks (LoRA and full fine-tuning, one rank, TP=2 and DP=2 over 2 gloo ranks),
 and the policy uses it only where the layout allows."""
 import pytest
 import torch
@@ -73,17 +73,20 @@ def test_batched_accumulation_is_bit_identical_to_megatron_hooks(single_rank, lo
     _compare(single_rank, lora, dtype)
 
 
-def _dp_worker():
-    state = init_parallel(seed=0, device="cpu")
-    try:
-        _compare(state, lora=True)
-    finally:
-        destroy_parallel()
-    return state.dp
+def _two_rank_worker():
+    layouts = []
+    for tp in (2, 1):  # tensor parallel (LoRA A replicated, B split), then data parallel
+        state = init_parallel(tp=tp, seed=0, device="cpu")
+        try:
+            _compare(state, lora=True)
+            layouts.append((state.tp, state.dp))
+        finally:
+            destroy_parallel(keep_default_group=True)
+    return layouts
 
 
-def test_batched_accumulation_under_data_parallel_2_ranks():
-    assert run_distributed(_dp_worker, world_size=2, timeout_s=300) == [2, 2]
+def test_batched_accumulation_under_tp_and_dp_2_ranks():
+    assert run_distributed(_two_rank_worker, world_size=2, timeout_s=300) == [[(2, 1), (1, 2)]] * 2
 
 
 def test_batched_by_default_for_adapters_only(single_rank):
