@@ -61,7 +61,7 @@ class GradFlush:
             raise ValueError(f"GradFlush: {len(missing)} parameter(s) without a main_grad (e.g. shape {missing[0]}); "
                              f"build megatron's DistributedDataParallel over them first")
         self.params = params
-        self.flushes = 0  # flushes that moved at least one gradient (tests and logs read it)
+        self.flushes = 0  # flushes that moved at least one gradient (the tests count them)
 
     @torch.no_grad()
     def flush(self) -> None:
