@@ -93,8 +93,9 @@ def profile_kernels(fn, title: str, top: int = 12, host: bool = False, shapes: b
 
 def _intervals(events, device: bool) -> list[tuple[float, float, object]]:
     want = torch.autograd.DeviceType.CUDA if device else torch.autograd.DeviceType.CPU
-    return sorted((e.time_range.start, e.time_range.end, e) for e in events
-                  if e.device_type == want and e.time_range.end > e.time_range.start)
+    # (sorted by times only: events with equal ranges, e.g. an op and its single child, do not compare)
+    return sorted(((e.time_range.start, e.time_range.end, e) for e in events
+                   if e.device_type == want and e.time_range.end > e.time_range.start), key=lambda t: t[:2])
 
 
 def _chain(evt, levels: int = 3) -> str:

@@ -31,5 +31,14 @@ def test_gaps_are_charged_to_the_innermost_host_op_running_when_they_end(capsys)
     assert "over 2 gaps" in out
 
 
+def test_events_with_equal_ranges(capsys):
+    """A host op and its one child often share their time range to the microsecond; so can two kernels."""
+    parent = _evt("aten::linear", 0, 50)
+    events = [parent, _evt("aten::addmm", 0, 50, parent=parent), _evt("k1", 0, 10, CUDA), _evt("k2", 0, 10, CUDA),
+              _evt("k3", 40, 45, CUDA)]
+    assert abs(idle_gaps(events) - 0.03) < 1e-9
+    assert "aten::addmm < aten::linear" in capsys.readouterr().out
+
+
 def test_no_kernels_no_idle():
     assert idle_gaps([_evt("aten::mm", 0, 10)]) == 0.0
