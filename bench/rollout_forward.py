@@ -4,7 +4,7 @@ tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one tab
 
     python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
                                     [--no-eager] [--no-reference] [--profile] [--fusion fused unfused qkv-sum]
-                                    [--lora 64] [--modulation table computed]
+                                    [--lora 64] [--modulation table computed] [--blocks-per-graph 1 2 4]
 
 ``--fusion``: ours with the rollout engine's inference fusions (model_specs.common.fusion: fc1 bias + GELU-tanh in
 the GEMM epilogue, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)
@@ -15,6 +15,8 @@ fused MLP then folds fc1's adapter into its GEMM.
 modulations read from a ModulationTable built once for a rollout's 10 sigmas (its time per batch printed apart;
 the modulation products are then not counted in the forward's FLOPs); ``computed``: each forward computes them,
 rows at random sigmas.
+``--blocks-per-graph``: under --compile, consecutive blocks per compiled graph (megatron_omni.compile; default its
+BLOCKS_PER_GRAPH).
 
 MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, BENCHMARKS.md); FLOPs from
 model_specs/qwen_image/flops.py (16.6 TFLOP per image at 512x512).
@@ -44,7 +46,8 @@ def _inputs(arch: QwenImageConfig, batch: int):
             torch.rand(batch, device="cuda", generator=g))
 
 
-def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True):
+def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True,
+         blocks_per_graph=None):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from model_specs.qwen_image.model import QwenImageModel
     from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -74,7 +77,7 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
     if compile_mode:
         from megatron_omni.compile import compile_blocks
 
-        compile_blocks(model, compile_mode)
+        compile_blocks(model, compile_mode, **({} if blocks_per_graph is None else {"blocks_per_graph": blocks_per_graph}))
     with torch.no_grad():
         steps_N = torch.linspace(1.0, 0.1, 10, device="cuda")  # a rollout's sigmas
         if table:
@@ -146,30 +149,34 @@ def main() -> None:
     p.add_argument("--modulation", nargs="+", choices=("table", "computed"), default=["table"],
                    help="ours reading the adaLN modulations from a table built once per rollout batch, and / or "
                         "computing them in every forward")
+    p.add_argument("--blocks-per-graph", type=int, nargs="+", default=[None], metavar="K",
+                   help="under --compile: consecutive blocks per compiled graph, one run per K (default: "
+                        "megatron_omni.compile.BLOCKS_PER_GRAPH)")
     args = p.parse_args()
     arch = QwenImageConfig(num_layers=args.layers)
     results = {}
     lora = f" lora{args.lora}" if args.lora else ""
     for mode in ([None] if not args.no_eager else []) + args.compile:
-        for fusion in args.fusion:
-            for modulation in args.modulation:
-                gc.collect()
-                torch.cuda.empty_cache()
-                name = f"ours {mode or 'eager'}{lora} {fusion}{' table' if modulation == 'table' else ''}"
-                print(f"--- {name}", flush=True)
-                results[name] = ours(arch, args.batches, args.repeats, mode, args.profile,
-                                     {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
-                                     modulation == "table")
+        for fusion, modulation, per_graph in [(f, m, k) for f in args.fusion for m in args.modulation
+                                              for k in (args.blocks_per_graph if mode else [None])]:
+            gc.collect()
+            torch.cuda.empty_cache()
+            graphs = "" if per_graph is None else f" {per_graph}/graph"
+            name = f"ours {mode or 'eager'}{lora}{graphs} {fusion}{' table' if modulation == 'table' else ''}"
+            print(f"--- {name}", flush=True)
+            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile,
+                                 {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
+                                 modulation == "table", per_graph)
     gc.collect()
     torch.cuda.empty_cache()
     if not args.no_reference:
         results["diffusers"] = reference(arch, args.batches, args.repeats)
     print(f"\n{torch.cuda.get_device_name()}, {args.layers} blocks, bf16, 512x512 + {TEXT} text tokens, eager")
-    print(f"{'model':<36} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
+    print(f"{'model':<44} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
     for name, rows in results.items():
         for b, ms in rows.items():
             flops = forward_flops(arch, b, FHW[0] * FHW[1] * FHW[2], TEXT, modulation=not name.endswith(" table"))
-            print(f"{name:<36} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
+            print(f"{name:<44} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
                   f"{flops / ms / 1e9 / (PEAK / 1e12):>6.1%}")
 
 

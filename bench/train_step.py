@@ -64,7 +64,7 @@ def _with_old_log_probs(policy, mbs: list[FlowGRPOMicroBatch], step) -> None:
 
 
 def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, steps: int,
-        profile: bool, batched_grads: bool | None = None) -> dict:
+        profile: bool, batched_grads: bool | None = None, blocks_per_graph: int | None = None) -> dict:
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from megatron_omni.trainer.policy import build_policy, compile_policy, run_microbatches
     from model_specs.common.lora import apply_lora
@@ -80,7 +80,7 @@ def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, s
             policy = build_policy(recipe.arch, state, lr=recipe.lr, clip_grad=1.0, dtype=recipe.dtype,
                                   backend="local", prepare=prepare, batched_grads=batched_grads)
         if compile_mode:
-            compile_policy(policy, compile_mode)
+            compile_policy(policy, compile_mode, blocks_per_graph)
         step = flow_grpo_forward_step(FlowGRPOLossConfig(clip_range=recipe.clip_range))
         mbs = _microbatches(recipe, micro_batch)
         start = time.perf_counter()
@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="DDP's main_grad adds: the trainer's choice (auto: batched for LoRA, hooks for full "
                         "fine-tuning), one multi-tensor add per micro-batch (megatron_omni.trainer.grad_flush) "
                         "and / or megatron's per-parameter hooks")
+    p.add_argument("--blocks-per-graph", type=int, nargs="+", default=[None], metavar="K",
+                   help="under --compile: consecutive blocks per compiled graph, one run per K (default: "
+                        "megatron_omni.compile.BLOCKS_PER_GRAPH)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     peak = device_peak_flops(torch.bfloat16) if not args.smoke else None
@@ -134,14 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for mode in args.modes:
         for mb in args.micro_batches:
-            for cm, acc in [(cm, acc) for cm in compile_modes for acc in args.grad_accumulation]:
+            for cm, acc, k in [(cm, acc, k) for cm in compile_modes for acc in args.grad_accumulation
+                               for k in (args.blocks_per_graph if cm else [None])]:
                 recipe = make_recipe(args.smoke, micro_batch=mb)
                 if mode == "full" and not args.smoke:
                     recipe.arch = type(recipe.arch)(num_layers=args.full_layers)
-                name = f"{mode} mb{mb} {cm or 'eager'}" + ("" if acc == "auto" else f" {acc}")
+                name = (f"{mode} mb{mb} {cm or 'eager'}" + ("" if acc == "auto" else f" {acc}")
+                        + ("" if k is None else f" {k}/graph"))
                 try:
                     r = run(recipe, mode, mb, cm, args.steps, args.profile,
-                            batched_grads={"auto": None, "batched": True, "hooks": False}[acc])
+                            batched_grads={"auto": None, "batched": True, "hooks": False}[acc], blocks_per_graph=k)
                 except torch.OutOfMemoryError as err:
                     print(f"{name}: out of memory ({str(err).splitlines()[0][:120]})", flush=True)
                     rows.append((name, None, recipe))
@@ -153,11 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: FlowGRPO training step, "
           f"{r0.samples * r0.window} pairs ({r0.image_tokens} image + {r0.text_tokens} text tokens, cond rows, the "
           f"rollout's uncond reused), {str(r0.dtype).removeprefix('torch.')}")
-    print(f"{'run':<28} {'blocks':>6} {'trained':>9} {'s/step':>8} {'ready s':>8} {'TFLOP/s':>8} {'MFU':>6} {'base MFU':>8} "
+    print(f"{'run':<36} {'blocks':>6} {'trained':>9} {'s/step':>8} {'ready s':>8} {'TFLOP/s':>8} {'MFU':>6} {'base MFU':>8} "
           f"{'peak GiB':>9} {'ratio':>7}")
     for name, r, recipe in rows:
         if r is None:
-            print(f"{name:<28} out of memory")
+            print(f"{name:<36} out of memory")
             continue
         lora = name.startswith("lora")
         per_row = forward_flops(recipe.arch, 1, recipe.image_tokens, recipe.text_tokens)
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         mfu = f"{flops / r['seconds'] / peak:.1%}" if peak else "-"
         mfu_base = f"{base / r['seconds'] / peak:.1%}" if peak else "-"
         peak_mem = f"{r['peak']:.1f}" if r["peak"] is not None else "-"
-        print(f"{name:<28} {r['layers']:>6} {r['trained'] / 1e6:>8.1f}M {r['seconds']:>8.3f} {r['first']:>8.1f} "
+        print(f"{name:<36} {r['layers']:>6} {r['trained'] / 1e6:>8.1f}M {r['seconds']:>8.3f} {r['first']:>8.1f} "
               f"{tflops:>8.0f} {mfu:>6} {mfu_base:>8} {peak_mem:>9} {r['ratio']:>7.4f}")
 
 

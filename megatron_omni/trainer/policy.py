@@ -111,11 +111,12 @@ def build_policy(arch: QwenImageConfig, state: ParallelState, *, lr: float, weig
                   grad_flush=grad_flush)
 
 
-def compile_policy(policy: Policy, mode: str) -> None:
-    """Every block of every chunk of this rank under torch.compile (``megatron_omni.compile``); DDP's grad
-    hooks sit on the parameters, outside the compiled graphs, so they fire as in eager mode."""
+def compile_policy(policy: Policy, mode: str, blocks_per_graph: int | None = None) -> None:
+    """Every block of every chunk of this rank under torch.compile (``megatron_omni.compile``; ``blocks_per_graph``
+    None: its default); DDP's grad hooks sit on the parameters, outside the compiled graphs, so they fire as in
+    eager mode."""
     for module in policy.modules or [policy.module]:
-        compile_blocks(module, mode)
+        compile_blocks(module, mode, *(() if blocks_per_graph is None else (blocks_per_graph,)))
 
 
 def run_microbatches(policy: Policy, forward_step_func, microbatches: list, forward_only: bool = False,

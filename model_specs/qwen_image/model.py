@@ -23,6 +23,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from model_specs.common.block_runner import BlockRunner
 from model_specs.common.containers import MegatronModuleList
 from model_specs.qwen_image.conditioning import (
     TIME_PROJ_DIM, ModulationTable, QwenImageConditioning, joint_attention_mask, rope_freqs, timestep_sinusoid,
@@ -88,6 +89,8 @@ class QwenImageModel(MegatronModule):
             self.norm_out = torch.nn.LayerNorm(hidden, eps=NORM_EPS, elementwise_affine=False)
             self.proj_out = _replicated_linear(config, hidden, arch.out_features)
         self.input_tensor = None
+        # runs the blocks, a slice per call; megatron_omni.compile.compile_blocks swaps in a compiled one
+        self.block_runner = BlockRunner()
 
     def set_input_tensor(self, input_tensor) -> None:
         """megatron-core's schedules hand a non-first stage the previous stage's output here."""
@@ -154,8 +157,8 @@ class QwenImageModel(MegatronModule):
             hidden_SBH = torch.cat([txt_TBH, img_IBH], dim=0)
         else:
             hidden_SBH = self.input_tensor
-        for i, block in zip(self.layers, self.blocks):
-            hidden_SBH = block(hidden_SBH, cond, None if modulation is None else modulation.blocks[i])
+        hidden_SBH = self.block_runner(list(self.blocks), hidden_SBH, cond,
+                                       [None if modulation is None else modulation.blocks[i] for i in self.layers])
         if not self.post_process:
             return hidden_SBH
         img_IBH = hidden_SBH[cond.text_len:]

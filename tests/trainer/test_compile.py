@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.compile import compile_blocks, traceable_dgrad_allreduce
 from megatron_omni.config import ConfigError, load_config
+from model_specs.common.block_runner import BlockRunner, run_blocks
 from model_specs.common.fusion import fuse_inference
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
 from model_specs.qwen_image.config import tiny_config
@@ -32,13 +33,15 @@ def _inputs(arch):
     return torch.randn(2, 16, arch.in_channels, generator=g), torch.randn(2, 8, arch.joint_attention_dim, generator=g)
 
 
-def test_compiled_blocks_equal_eager_rollout_and_lora_training(single_rank):
-    arch = tiny_config(num_layers=2)
+@pytest.mark.parametrize("layers, per_graph", [(2, 1), (3, 2)])
+def test_compiled_blocks_equal_eager_rollout_and_lora_training(single_rank, layers, per_graph):
+    """One block per graph, and two (3 blocks: a slice of 2, then a slice of 1)."""
+    arch = tiny_config(num_layers=layers)
     model, compiled = _lora_model(arch, single_rank.tp_group), _lora_model(arch, single_rank.tp_group)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), compiled.parameters()))
     torch._dynamo.reset()
     counters.clear()
-    compile_blocks(compiled, "default")
+    compile_blocks(compiled, "default", blocks_per_graph=per_graph)
     assert fuse_inference(compiled) == 3 * arch.num_layers  # the rollout engine's fused MLPs and attentions
     img, txt = _inputs(arch)
     sigma, mask = torch.tensor([0.3, 0.8]), torch.tensor([[True] * 8, [True] * 5 + [False] * 3])
@@ -50,16 +53,49 @@ def test_compiled_blocks_equal_eager_rollout_and_lora_training(single_rank):
         m.zero_grad()
         m(img, txt, sigma, (1, 4, 4), mask).square().mean().backward()
         grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
-    # 12 targets = 8 linears per block (q, k, v fused; add_q, add_k, add_v fused), A and B each, 2 blocks
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 8 * 2
+    # 12 targets = 8 linears per block (q, k, v fused; add_q, add_k, add_v fused), A and B each
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 8 * layers
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_block_runner_runs_the_blocks_in_order_a_slice_per_call():
+    slices = []
+
+    def fn(blocks, hidden, cond, modulations):
+        slices.append([m for m in modulations])
+        return run_blocks(blocks, hidden, cond, modulations)
+
+    blocks = [lambda h, cond, m, k=k: h * 10 + k + cond * m for k in range(1, 6)]
+    assert BlockRunner(fn, per_call=2)(blocks, 0, 1, [0, 0, 0, 0, 0]) == 12345
+    assert BlockRunner(fn, per_call=2)(blocks, 0, 1, [0, 0, 0, 0, 5]) == 12350  # block i gets modulations[i]
+    assert slices[:3] == [[0, 0], [0, 0], [0]]
+    with pytest.raises(ValueError, match="4 modulations for 5 blocks"):
+        BlockRunner()(blocks, 0, 0, [None] * 4)
+
+
+def test_slices_of_blocks_share_one_graph(single_rank):
+    """Parameters are graph inputs: 4 blocks 2 per graph compile one graph, run twice (a guard on which blocks a
+    slice holds would compile two)."""
+    arch = tiny_config(num_layers=4)
+    model = _lora_model(arch, single_rank.tp_group)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(model, "default", blocks_per_graph=2)
+    img, txt = _inputs(arch)
+    with torch.no_grad():
+        model(img, txt, torch.tensor([0.3, 0.8]), (1, 4, 4))
+    assert counters["stats"]["unique_graphs"] == 1 and counters["stats"]["calls_captured"] > 0
+
+
 def test_compile_mode_is_checked():
     with pytest.raises(ValueError, match="compile mode 'fast'"):
         compile_blocks(torch.nn.Module(), "fast")
+    with pytest.raises(ValueError, match="has no .blocks run by a .block_runner"):
+        compile_blocks(torch.nn.Module(), "default")
+    with pytest.raises(ValueError, match="blocks per call 0; expected an integer >= 1"):
+        BlockRunner(per_call=0)
     with pytest.raises(ConfigError, match=r"train.compile: 'fast' is not a torch.compile mode"):
         load_config(overrides=["train.compile=fast"])
     assert load_config(overrides=["rollout.compile=default"]).rollout.compile == "default"
@@ -73,6 +109,7 @@ def test_compile_switches_on_coordinate_descent_tuning(monkeypatch):
         def __init__(self):
             super().__init__()
             self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+            self.block_runner = BlockRunner()
 
     monkeypatch.setattr(inductor, "coordinate_descent_tuning", False)
     monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "0")

@@ -1,0 +1,39 @@
+"""How a model runs its blocks: a slice of consecutive blocks per call of one function, the function that
+``megatron_omni.compile.compile_blocks`` hands to torch.compile.
+
+Why slices: under torch.compile each call of the compiled function is one graph (one guard check, one
+AOTAutograd wrapper, one inductor-generated launcher), so a block per call pays that host work 60 times per
+forward and per backward of a Qwen-Image, and leaves a block's last residual add and the next block's norm in two
+kernels (the residual written, then read back).  Parameters are graph inputs, so every slice of the same length
+reuses one compiled graph whichever blocks it holds.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def run_blocks(blocks: Sequence[torch.nn.Module], hidden: torch.Tensor, cond, modulations: Sequence) -> torch.Tensor:
+    """``hidden`` through ``blocks`` in order, block i given (hidden, cond, modulations[i])."""
+    for block, modulation in zip(blocks, modulations):
+        hidden = block(hidden, cond, modulation)
+    return hidden
+
+
+class BlockRunner:
+    """``per_call`` consecutive blocks per call of ``fn`` (``run_blocks`` or a compiled ``run_blocks``)."""
+
+    def __init__(self, fn: Callable = run_blocks, per_call: int = 1):
+        if isinstance(per_call, bool) or not isinstance(per_call, int) or per_call < 1:
+            raise ValueError(f"blocks per call {per_call!r}; expected an integer >= 1")
+        self.fn, self.per_call = fn, per_call
+
+    def __call__(self, blocks: Sequence[torch.nn.Module], hidden: torch.Tensor, cond,
+                 modulations: Sequence) -> torch.Tensor:
+        if len(modulations) != len(blocks):
+            raise ValueError(f"{len(modulations)} modulations for {len(blocks)} blocks; expected one per block")
+        for lo in range(0, len(blocks), self.per_call):
+            hi = lo + self.per_call
+            hidden = self.fn(blocks[lo:hi], hidden, cond, modulations[lo:hi])
+        return hidden
