@@ -47,7 +47,7 @@ def _inputs(arch: QwenImageConfig, batch: int):
 
 
 def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True,
-         blocks_per_graph=None):
+         blocks_per_graph=None, top=12):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from model_specs.qwen_image.model import QwenImageModel
     from model_specs.qwen_image.spec import qwen_image_block_spec
@@ -100,7 +100,7 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
                 from _profile import graph_breaks, profile_kernels
 
                 profile_kernels(lambda: model(img, txt, sigma, FHW, None, **kw),
-                                f"forward batch {b} {compile_mode or 'eager'}", shapes=True)
+                                f"forward batch {b} {compile_mode or 'eager'}", top=top, shapes=True)
                 print(graph_breaks(), flush=True)
     del model
     destroy_parallel()
@@ -142,6 +142,7 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
     p.add_argument("--no-eager", action="store_true", help="time ours only under the --compile modes")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
+    p.add_argument("--top", type=int, default=12, help="heaviest kernels listed by --profile")
     p.add_argument("--fusion", nargs="+", choices=("fused", "unfused", "qkv-sum"), default=["fused"],
                    help="ours with the engine's inference fusions, and / or without; qkv-sum: fused, but a LoRA'd "
                         "QKV's bias and adapter output summed by their own pass, not in the q / k norm kernel")
@@ -166,7 +167,7 @@ def main() -> None:
             print(f"--- {name}", flush=True)
             results[name] = ours(arch, args.batches, args.repeats, mode, args.profile,
                                  {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
-                                 modulation == "table", per_graph)
+                                 modulation == "table", per_graph, args.top)
     gc.collect()
     torch.cuda.empty_cache()
     if not args.no_reference:
