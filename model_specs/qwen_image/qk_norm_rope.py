@@ -22,7 +22,6 @@ batch-major q, k, v: cuDNN attention ran 1 % faster on them, but its batch-major
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -90,46 +89,21 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _norm_rope_partner(x, xp, w, wp, cos, sin, sign, eps, D: tl.constexpr):
-        """``_norm_rope`` per element, each element beside its RoPE partner x[i ^ 1] (loaded, not split / joined
-        out of the row): out = n cos + sign p sin, n and p normalised and rounded as there."""
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-        n = (xf * rstd[:, None] * w[None, :]).to(x.dtype).to(tl.float32)
-        p = (xp.to(tl.float32) * rstd[:, None] * wp[None, :]).to(x.dtype).to(tl.float32)
-        return (n * cos[None, :] + sign[None, :] * (p * sin[None, :])).to(x.dtype)
-
-    @triton.jit
     def _qk_norm_rope_kernel(qkv, stride_s, stride_b, bias, lora, lstride_s, lstride_b, wq, wk, freqs, q_out, k_out,
                              v_out, s_offset, B, N, eps, D: tl.constexpr, HB: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, PARTNER: tl.constexpr,
-                             GRID2D: tl.constexpr):
-        row = tl.program_id(0)  # one (token, sample) row of the stream: all its heads, or (GRID2D) HB of them
+                             HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
+        row = tl.program_id(0)  # one (token, sample) row of the stream: all its heads
         s, b = row // B, row % B
         HALF: tl.constexpr = D // 2
         pair, col, hs = tl.arange(0, HALF), tl.arange(0, D), tl.arange(0, HB)
-        if PARTNER:
-            par = col ^ 1
-            cos = tl.load(freqs + s * D + 2 * (col // 2))
-            sin = tl.load(freqs + s * D + 2 * (col // 2) + 1)
-            sign = tl.where(col % 2 == 0, -1.0, 1.0)
-            wq_c, wq_p = tl.load(wq + col).to(tl.float32), tl.load(wq + par).to(tl.float32)
-            wk_c, wk_p = tl.load(wk + col).to(tl.float32), tl.load(wk + par).to(tl.float32)
-        else:
-            cos = tl.load(freqs + s * D + 2 * pair)
-            sin = tl.load(freqs + s * D + 2 * pair + 1)
-            wq_e, wq_o = tl.load(wq + 2 * pair).to(tl.float32), tl.load(wq + 2 * pair + 1).to(tl.float32)
-            wk_e, wk_o = tl.load(wk + 2 * pair).to(tl.float32), tl.load(wk + 2 * pair + 1).to(tl.float32)
+        cos = tl.load(freqs + s * D + 2 * pair)
+        sin = tl.load(freqs + s * D + 2 * pair + 1)
+        wq_e, wq_o = tl.load(wq + 2 * pair).to(tl.float32), tl.load(wq + 2 * pair + 1).to(tl.float32)
+        wk_e, wk_o = tl.load(wk + 2 * pair).to(tl.float32), tl.load(wk + 2 * pair + 1).to(tl.float32)
         src = qkv + s.to(tl.int64) * stride_s + b.to(tl.int64) * stride_b
         lsrc = lora + s.to(tl.int64) * lstride_s + b.to(tl.int64) * lstride_b
         dst = ((s_offset + s).to(tl.int64) * B + b) * N * D  # row (s_offset + s, b) of the joint [S, B, N, D]
-        if GRID2D:
-            h_lo = tl.program_id(1) * HB
-            h_hi = h_lo + HB
-        else:
-            h_lo = 0
-            h_hi = N
-        for h0 in range(h_lo, h_hi, HB):
+        for h0 in range(0, N, HB):
             h = h0 + hs
             m = (h < N)[:, None]
             part = h[:, None] * (3 * D) + col[None, :]  # q of these heads; k at + D, v at + 2 D
@@ -137,15 +111,8 @@ if triton is not None:
             out = dst + h[:, None] * D + col[None, :]
             q = _load_summed(at, bias_at, lora_at, m, HAS_BIAS, HAS_LORA)
             k = _load_summed(at + D, bias_at + D, lora_at + D, m, HAS_BIAS, HAS_LORA)
-            if PARTNER:
-                pp = h[:, None] * (3 * D) + par[None, :]
-                qp = _load_summed(src + pp, bias + pp, lsrc + pp, m, HAS_BIAS, HAS_LORA)
-                kp = _load_summed(src + pp + D, bias + pp + D, lsrc + pp + D, m, HAS_BIAS, HAS_LORA)
-                tl.store(q_out + out, _norm_rope_partner(q, qp, wq_c, wq_p, cos, sin, sign, eps, D), mask=m)
-                tl.store(k_out + out, _norm_rope_partner(k, kp, wk_c, wk_p, cos, sin, sign, eps, D), mask=m)
-            else:
-                tl.store(q_out + out, _norm_rope(q, wq_e, wq_o, cos, sin, eps, D, HALF), mask=m)
-                tl.store(k_out + out, _norm_rope(k, wk_e, wk_o, cos, sin, eps, D, HALF), mask=m)
+            tl.store(q_out + out, _norm_rope(q, wq_e, wq_o, cos, sin, eps, D, HALF), mask=m)
+            tl.store(k_out + out, _norm_rope(k, wk_e, wk_o, cos, sin, eps, D, HALF), mask=m)
             tl.store(v_out + out, _load_summed(at + 2 * D, bias_at + 2 * D, lora_at + 2 * D, m, HAS_BIAS, HAS_LORA),
                      mask=m)
 
@@ -157,22 +124,10 @@ def _runs_kernel(qkv: torch.Tensor, d: int) -> bool:
     return triton is not None and (qkv.is_cuda or interpreting) and not d & (d - 1)
 
 
-class Launch(NamedTuple):
-    """How the kernel runs: ``partner``: each element's RoPE partner loaded beside it (else the row's pairs split and
-    joined in registers); ``grid2d``: a program per (row, block of ``heads_per_step`` heads) (else a program per row
-    looping over its heads); ``warps`` per program."""
-    partner: bool
-    grid2d: bool
-    heads_per_step: int
-    warps: int
-
-
-# Per stream, by whether a LoRA output is added.  H200, full-size rollout shapes, ten calls per timed run
-# (bench/qk_norm_rope.py; bench/RESULTS.md): without one, small programs with partner loads ran 0.205 vs 0.242 ms
-# per block at batch 16 and 0.409 vs 0.443 at 32; with one (a third input to read), the looping split / join kernel
-# stays ahead (0.312 vs 0.327 at batch 16, 0.588 vs 0.653 at 32).
-LAUNCH = {False: Launch(partner=True, grid2d=True, heads_per_step=2, warps=1),
-          True: Launch(partner=False, grid2d=False, heads_per_step=8, warps=2)}
+# Launch configuration: heads per loop step of a row's program, warps per program.  At the rollout's batch 32 on an
+# H200 (bench/qk_norm_rope.py, ten calls per timed run; bench/RESULTS.md) 8 x 2 ran 0.593 ms per block with a LoRA
+# output (best 0.574 at 4 x 1) and 0.440 without (the best), against 0.661 / 0.479 at 4 x 4.
+HEADS_PER_STEP, NUM_WARPS = 8, 2
 
 
 @torch.library.custom_op("megatron_omni::joint_qk_norm_rope", mutates_args=())
@@ -199,13 +154,11 @@ def _joint_op(qkv_txt: torch.Tensor, qkv_img: torch.Tensor, wq_txt: torch.Tensor
                              f"{tuple(qkv.shape[2:])}")
         if s * b:  # (a launch over an empty grid is an error)
             lo = qkv if lora is None else lora  # (an unused pointer when there is no LoRA output)
-            launch = LAUNCH[lora is not None]
-            grid = (s * b, triton.cdiv(heads, launch.heads_per_step)) if launch.grid2d else (s * b,)
-            _qk_norm_rope_kernel[grid](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
-                                       lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
-                                       offset, b, heads, eps, D=d, HB=launch.heads_per_step,
-                                       HAS_BIAS=bias is not None, HAS_LORA=lora is not None, PARTNER=launch.partner,
-                                       GRID2D=launch.grid2d, num_warps=launch.warps)
+            _qk_norm_rope_kernel[(s * b,)](qkv, qkv.stride(0), qkv.stride(1), qkv if bias is None else bias, lo,
+                                           lo.stride(0), lo.stride(1), wq, wk, freqs.contiguous(), q, k, v,
+                                           offset, b, heads, eps, D=d, HB=HEADS_PER_STEP,
+                                           HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+                                           num_warps=NUM_WARPS)
         offset += s
     return q, k, v
 
