@@ -77,7 +77,7 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
     if compile_mode:
         from megatron_omni.compile import compile_blocks
 
-        compile_blocks(model, compile_mode, **({} if blocks_per_graph is None else {"blocks_per_graph": blocks_per_graph}))
+        compile_blocks(model, compile_mode, blocks_per_graph)
     with torch.no_grad():
         steps_N = torch.linspace(1.0, 0.1, 10, device="cuda")  # a rollout's sigmas
         if table:

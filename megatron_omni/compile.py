@@ -1,9 +1,10 @@
 """torch.compile for DiT blocks, the one way both the rollout engine and the trainer use it.
 
-The model's blocks run ``blocks_per_graph`` at a time through one compiled function
+The model's blocks run ``blocks_per_graph`` at a time (1 by default) through one compiled function
 (``model_specs.common.block_runner``), and every such slice shares one compiled graph per input shape
-(parameters are graph inputs, so the 60 blocks of a Qwen-Image reuse the first slice's code).  Shapes are static (``dynamic=False``): the rollout's
-rows and the trainer's micro-batches are a handful of fixed shapes, and each gets kernels tuned for it.
+(parameters are graph inputs, so the 60 blocks of a Qwen-Image reuse the first slice's code).  Shapes are
+static (``dynamic=False``): the rollout's rows and the trainer's micro-batches are a handful of fixed shapes, and
+each gets kernels tuned for it.
 Grad mode is part of the guard, so the rollout (no_grad) and training (forward + backward through
 AOTAutograd) compile separate graphs of the same blocks.
 
@@ -34,20 +35,21 @@ from model_specs.common.block_runner import BlockRunner, run_blocks
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # shapes x grad modes x LoRA on/off the blocks of one run see; dynamo falls back to eager past this
 RECOMPILE_LIMIT = 64
-# consecutive blocks per compiled graph (see model_specs.common.block_runner for why more than one)
+# consecutive blocks per compiled graph (model_specs.common.block_runner: more than one measured no faster on an H200)
 BLOCKS_PER_GRAPH = 1
 
 
-def compile_blocks(model: torch.nn.Module, mode: str, blocks_per_graph: int = BLOCKS_PER_GRAPH) -> None:
+def compile_blocks(model: torch.nn.Module, mode: str, blocks_per_graph: int | None = None) -> None:
     """``model.blocks`` under ``torch.compile(mode=mode, dynamic=False)``, ``blocks_per_graph`` consecutive blocks
-    per graph (in place: the model's ``block_runner`` is replaced)."""
+    per graph (None: ``BLOCKS_PER_GRAPH``), in place: the model's ``block_runner`` is replaced."""
     if mode not in MODES:
         raise ValueError(f"compile mode {mode!r}; expected one of {MODES}")
     blocks = getattr(model, "blocks", None)
     if blocks is None or not isinstance(getattr(model, "block_runner", None), BlockRunner):
         raise ValueError(f"{type(model).__name__} has no .blocks run by a .block_runner to compile "
                          f"(model_specs.common.block_runner)")
-    runner = BlockRunner(torch.compile(run_blocks, mode=mode, dynamic=False), blocks_per_graph)
+    runner = BlockRunner(torch.compile(run_blocks, mode=mode, dynamic=False),
+                         BLOCKS_PER_GRAPH if blocks_per_graph is None else blocks_per_graph)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING" not in os.environ:  # (an explicit setting wins)
         torch._inductor.config.coordinate_descent_tuning = True

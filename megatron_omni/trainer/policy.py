@@ -116,7 +116,7 @@ def compile_policy(policy: Policy, mode: str, blocks_per_graph: int | None = Non
     None: its default); DDP's grad hooks sit on the parameters, outside the compiled graphs, so they fire as in
     eager mode."""
     for module in policy.modules or [policy.module]:
-        compile_blocks(module, mode, *(() if blocks_per_graph is None else (blocks_per_graph,)))
+        compile_blocks(module, mode, blocks_per_graph)
 
 
 def run_microbatches(policy: Policy, forward_step_func, microbatches: list, forward_only: bool = False,
