@@ -12,7 +12,7 @@ APT    := DEBIAN_FRONTEND=noninteractive apt-get install -y -q
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gpu install clean-venv
+.PHONY: demo test test-gpu check-wheel install clean-venv
 
 install: $(STAMP)
 
@@ -36,6 +36,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory check-wheel
+
+# The wheel as a user installs it: built, installed (not editable) into a fresh venv beside .venv's pinned
+# dependencies, run from outside the checkout (tests/packaging/check_wheel.py).
+check-wheel: $(STAMP)
+	$(PY) tests/packaging/check_wheel.py
 
 # GPU-only tests (marker `gpu`); on a machine without a GPU they skip themselves.
 test-gpu: $(STAMP)

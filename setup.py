@@ -5,14 +5,40 @@ Requires-Python >= 3.12 although its ``megatron/core`` runs on 3.11, so pip woul
 dependency on 3.11 (see README "Install").  torch is not pinned here either: CPU machines get the
 CPU build through the Makefile, GPU users bring their own CUDA build.
 """
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+PACKAGE_ROOTS = ("megatron_omni", "model_specs", "checkpoints_convert")  # tests/packaging reads this
+
+
+def _packages() -> list[str]:
+    """Every package under PACKAGE_ROOTS.  Refuses to build when a directory holding ``.py`` files (or one
+    above such a directory) lacks its ``__init__.py``: ``find_packages`` would leave it out of the wheel
+    without a word (issue 19: ``megatron_omni/trainer``).  tests/packaging checks the same in pytest and in
+    a built wheel."""
+    here = Path(__file__).resolve().parent
+    found = find_packages(where=str(here), include=[p for r in PACKAGE_ROOTS for p in (r, f"{r}.*")])
+    wanted = set()
+    for root in PACKAGE_ROOTS:
+        for source in (here / root).rglob("*.py"):
+            parts = source.parent.relative_to(here).parts
+            if any(part == "__pycache__" or part.startswith(".") for part in parts):
+                continue
+            wanted.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise SystemExit("setup.py: these directories hold .py files but no __init__.py, so the wheel would "
+                         "leave them out: " + ", ".join(m.replace(".", "/") for m in missing))
+    return sorted(found)
+
 
 setup(
     name="megatron-omni",
     version="0.1.0",
     description="RL post-training (FlowGRPO family, DPO, GSPO) for DiT and omni models on Megatron-core",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_omni*", "model_specs*", "checkpoints_convert*"]),
+    packages=_packages(),
     install_requires=[
         "torch>=2.6",
         "numpy",

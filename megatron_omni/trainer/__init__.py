@@ -1,0 +1,1 @@
+"""The FlowGRPO training loop behind `megatron-omni train`: policy, step, checkpoints, micro-batches, MFU."""
