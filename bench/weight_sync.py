@@ -35,11 +35,10 @@ from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.parallel.state import init_parallel
 from megatron_omni.rollout.engine import EmbeddedEngine
 from megatron_omni.sync import HFExporter, RemoteEngines, push_weights
+from model_specs.common.dtypes import DTYPES
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
 from model_specs.qwen_image.config import QwenImageConfig, tiny_config
 from model_specs.qwen_image.model import QwenImageModel
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class SinkEngine(EmbeddedEngine):

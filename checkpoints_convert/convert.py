@@ -15,10 +15,10 @@ from checkpoints_convert.hf_folder import ConversionError, HFFolder, atomic_outp
 from checkpoints_convert.mapping import Rule, to_hf, to_mcore, tp_shard
 from checkpoints_convert.mcore_checkpoint import load_global_tensors, read_meta, save_global_tensors
 from checkpoints_convert.qwen_image import qwen_image_rules
+from model_specs.common.dtypes import DTYPES
 from model_specs.qwen_image.config import DIFFUSERS_CLASS, QwenImageConfig
 
 FAMILY = "qwen_image"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _arch_from(config: dict, source: str, tp: int = 1, pp: int = 1) -> QwenImageConfig:

@@ -26,7 +26,7 @@ from megatron_omni.data.tasks import Task, build_task
 from megatron_omni.parallel.state import init_parallel
 from megatron_omni.rewards import build_reward
 from megatron_omni.rollout.engine import EmbeddedEngine, Request
-from megatron_omni.trainer.flow_grpo import engine_config, export_hf, train
+from megatron_omni.trainer.flow_grpo import export_hf, train
 from megatron_omni.trainer.policy import build_policy
 from megatron_omni.trainer.pretrain import pretrain
 from model_specs.qwen_image.model import QwenImageModel
@@ -43,7 +43,7 @@ def evaluate(policy, task: Task, cfg, judges: dict) -> dict[str, float]:
     arch = cfg.model.arch
     model = QwenImageModel(arch, arch.transformer_config(1, perform_initialization=False), policy.state.tp_group,
                            qwen_image_block_spec("local"))
-    engine = EmbeddedEngine(model, arch, task.encode, engine_config(cfg.rollout))
+    engine = EmbeddedEngine(model, arch, task.encode, cfg.rollout)
     engine.load_weights(export_hf(policy))
     r = cfg.rollout
     requests = [Request(prompt=p, seed=10_000 + 97 * d + i, img_fhw=task.img_fhw, num_steps=r.num_steps,

@@ -9,9 +9,11 @@ with the KL to the reference policy (frozen base, or adapters disabled for LoRA)
     kl_form="exact":     KL_i = mean over elements (μ_θ − μ_ref)² / (2σ_t²·(−Δ))  (the Gaussian KL of the
                          two transitions, whose variance is σ_t²·(−Δ); per element, hence averaged)
     KL = mean_B KL_i.
-σ_t is the SDE's noise scale and Δ = t' − t < 0; both forms take the step std σ_t·sqrt(−Δ) that
-``megatron_omni.rollout.samplers.sde_mean_std`` returns, plus Δ.  Log-probs are the per-element means of
-``samplers.gaussian_log_prob``, which is why ε is tiny (1e-4, 1e-5 for large DiTs).
+σ_t is the SDE's noise scale and Δ = t' − t < 0; both forms take the step std that
+``megatron_omni.rollout.samplers.step_mean_std`` returns for the step's sampler kind, plus Δ.  "exact" is the
+Gaussian KL of the two transitions for every kind; "flow_grpo" is flow_grpo's SDE formula (its σ_t² = std²/(−Δ),
+which for the SDE and Dance-SDE is the noise scale squared).  Log-probs are per-element means
+(``samplers.log_prob``), which is why ε is tiny (1e-4, 1e-5 for large DiTs).
 
 Metrics (detached float32 scalars): loss, policy_loss, kl, ratio_mean, ratio_std (population),
 clipfrac_above (ρ > 1 + ε), clipfrac_below (ρ < 1 − ε), approx_kl = ½·mean (log π_θ − log π_old)².
@@ -27,13 +29,13 @@ KL_FORMS = ("flow_grpo", "exact")
 
 @dataclass
 class FlowGRPOLossConfig:
-    clip_range: float = 1e-4  # ε; 1e-5 for large DiTs (VeRL-Omni's Qwen-Image recipe)
+    clip_range: float  # ε (the run config's algorithm.clip_range holds the default)
     kl_beta: float = 0.0  # β; 0 disables the KL term and the reference forward it needs
     kl_form: str = "flow_grpo"  # see the module docstring
 
     def __post_init__(self):
-        if not self.clip_range > 0:
-            raise ValueError(f"clip_range must be > 0; got {self.clip_range!r}")
+        if not 0 < self.clip_range < 1:
+            raise ValueError(f"clip_range must be > 0 and < 1; got {self.clip_range!r}")
         if self.kl_beta < 0:
             raise ValueError(f"kl_beta must be >= 0; got {self.kl_beta!r}")
         if self.kl_form not in KL_FORMS:

@@ -9,8 +9,9 @@ Each micro-batch is a ``FlowGRPOMicroBatch`` of B (sample, trained step) pairs. 
 model on the cond rows and, with a negative prompt, the uncond rows in a forward of their own under no_grad (one
 padded forward on a pipeline stage: ``model_output``) and, when the KL term is on, the reference policy under
 ``torch.no_grad``; ``loss_func`` (last pipeline stage) combines true CFG in float32
-with the uncond branch detached, forms the SDE mean μ_θ and log π_θ(x_t') with the rollout's own math
-(``megatron_omni.rollout.samplers``: the trainer scores a step exactly as it was sampled), and returns
+with the uncond branch detached, forms the step mean μ_θ and log π_θ(x_t') with the rollout's own math in the
+sampler kind and log-prob form the micro-batch carries (``megatron_omni.rollout.samplers``: the trainer scores
+a step exactly as it was sampled), and returns
 ``(L, metrics)`` from ``flow_grpo.flow_grpo_loss``.
 
 Reusing the rollout's uncond output (``mb.uncond_velocity``): the uncond branch is detached, so its only
@@ -51,7 +52,7 @@ from typing import Callable, ContextManager, Iterator
 import torch
 
 from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig, flow_grpo_loss
-from megatron_omni.rollout.samplers import cfg_combine, gaussian_log_prob, sde_mean_std
+from megatron_omni.rollout.samplers import cfg_combine, check_kind, log_prob, step_mean_std
 
 # reference(model) -> context manager yielding the module that computes the reference policy's velocity,
 # e.g. model_specs.common.lora.disable_adapters, or ``lambda m: contextlib.nullcontext(frozen_copy)``
@@ -76,7 +77,11 @@ class FlowGRPOMicroBatch:
     old_log_prob: torch.Tensor  # [B] log π_old(x_t' | x_t) from the rollout (or the trainer's recomputation)
     advantage: torch.Tensor  # [B]
     noise_level: float | torch.Tensor  # a (scalar or [B])
-    sigma_1: float  # the schedule's sigmas[1]: replaces t in σ_t's 1 − t where t = 1
+    sigma_1: float  # the schedule's sigmas[1]: replaces t in σ_t's 1 − t where t = 1 (SDE)
+    # the sampler kind and log-prob form that drew x_next (samplers.KINDS / LOG_PROB_FORMS): the trainer scores
+    # each step with exactly the formula that sampled it, in the loss, the KL term and the consistency check
+    sampler: str = "sde"
+    log_prob_form: str = "gaussian"
     uncond_txt: torch.Tensor | None = None  # [B, U, E] negative-prompt embeddings: turns true CFG on
     uncond_mask: torch.Tensor | None = None  # [B, U]
     guidance_scale: float = 1.0  # true-CFG scale w
@@ -84,6 +89,12 @@ class FlowGRPOMicroBatch:
     # [B, I, C] float32: the rollout's uncond output for these pairs, valid only while the weights are the
     # rollout's; set, the forward runs cond rows only and CFG combines with it (see the module docstring)
     uncond_velocity: torch.Tensor | None = None
+
+    def __post_init__(self):
+        check_kind(self.sampler)
+        if self.sampler == "ode":
+            raise ValueError("a FlowGRPO micro-batch of sampler 'ode' has no log-prob to train on; expected a "
+                             "stochastic kind ('sde', 'cps', 'dance')")
 
     @property
     def has_cfg(self) -> bool:
@@ -171,10 +182,16 @@ def guided_velocity(out_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> torch.Tens
     return cfg_combine(v_c, v_u.detach(), mb.guidance_scale, mb.cfg_rescale)
 
 
+def step_mean(v_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(μ [B, I, C], step std [B, 1, 1]) of the micro-batch's sampler kind with velocity ``v_BIC``."""
+    return step_mean_std(mb.sampler, mb.x_t, v_BIC, mb.t, mb.t_next, mb.noise_level, mb.sigma_1)
+
+
 def step_log_prob(v_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(μ [B, I, C], log π(x_t' | x_t) [B], step std σ_t·sqrt(−Δ) [B, 1, 1]) of the SDE step with ``v_BIC``."""
-    mean_BIC, std_B11 = sde_mean_std(mb.x_t, v_BIC, mb.t, mb.t_next, mb.noise_level, mb.sigma_1)
-    return mean_BIC, gaussian_log_prob(mb.x_next, mean_BIC, std_B11), std_B11
+    """(μ [B, I, C], log π(x_t' | x_t) [B], step std [B, 1, 1]) of the step with ``v_BIC``, in the micro-batch's
+    sampler kind and log-prob form (the rollout's)."""
+    mean_BIC, std_B11 = step_mean(v_BIC, mb)
+    return mean_BIC, log_prob(mb.x_next, mean_BIC, std_B11, mb.log_prob_form), std_B11
 
 
 def loss_func(mb: FlowGRPOMicroBatch, config: FlowGRPOLossConfig, ref_out: torch.Tensor | None,
@@ -186,8 +203,7 @@ def loss_func(mb: FlowGRPOMicroBatch, config: FlowGRPOLossConfig, ref_out: torch
         return {"log_prob": log_prob_B.detach(), "mean": mean_BIC.detach()}
     ref_mean_BIC = None
     if ref_out is not None:
-        ref_mean_BIC, _ = sde_mean_std(mb.x_t, guided_velocity(ref_out, mb), mb.t, mb.t_next, mb.noise_level,
-                                       mb.sigma_1)
+        ref_mean_BIC, _ = step_mean(guided_velocity(ref_out, mb), mb)
     return flow_grpo_loss(log_prob_B, mb.old_log_prob, mb.advantage, config, mean_BX=mean_BIC,
                           ref_mean_BX=ref_mean_BIC, std_B=std_B11, dt_B=mb.t_next - mb.t)
 
@@ -229,4 +245,4 @@ def _whole(model: torch.nn.Module) -> bool:
 
 
 __all__ = ["FlowGRPOMicroBatch", "ReferenceFn", "flow_grpo_forward_step", "guided_velocity", "loss_func",
-           "model_inputs", "model_output", "step_log_prob"]
+           "model_inputs", "model_output", "step_log_prob", "step_mean"]

@@ -7,6 +7,9 @@ choices, and YAML files and ``a.b=c`` overrides are type-checked against them on
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from megatron_omni.rollout.config import EngineConfig
+from model_specs.common.dtypes import DTYPES
+from model_specs.common.lora import FLOW_GRPO_TARGETS
 from model_specs.qwen_image.config import QwenImageConfig
 
 
@@ -77,10 +80,14 @@ class ModelConfig:
     # One family today; a new family adds its name here and its arch class to `arch`.
     family: Literal["qwen_image"] = "qwen_image"
     arch: QwenImageConfig = field(default_factory=QwenImageConfig)  # full-size Qwen-Image by default
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # the keys of model_specs.common.dtypes.DTYPES
     backend: Literal["auto", "local", "te"] = "auto"  # auto: Transformer Engine when installed, else local
     hf_path: Optional[str] = None  # a diffusers transformer folder (config.json + safetensors)
     mcore_path: Optional[str] = None  # a megatron-core checkpoint written by `megatron-omni convert`
+
+    @property
+    def torch_dtype(self):
+        return DTYPES[self.dtype]
 
     def validate(self, tp: int) -> None:
         try:
@@ -127,10 +134,6 @@ class LoggingConfig:
         _require_positive("logging", log_every=self.log_every)
 
 
-FLOW_GRPO_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-                          "to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
-
-
 @dataclass
 class DataConfig:
     task: Literal["digits"] = "digits"  # prompts, text encoder and decoder of the run (see megatron_omni.data)
@@ -141,30 +144,34 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(EngineConfig):
+    """The rollout: what to sample, plus the engine's own settings (max_num_seqs, wait_ms, text_pad_multiple,
+    fuse: declared once, in ``megatron_omni.rollout.config.EngineConfig``; this section is handed to the engine)."""
+
     prompts_per_step: int = 8  # groups per RL step
     group_size: int = 8  # samples per prompt (the GRPO group)
     num_steps: int = 10  # denoising steps of a rollout
     shift: float = 1.0  # static timestep shift s: sigma <- s*sigma / (1 + (s - 1)*sigma)
     sampler: Literal["sde", "cps", "dance"] = "sde"  # the trained (stochastic) steps' sampler
     noise_level: float = 0.7  # a of ALGORITHMS.md (SDE), eta (Dance), a (CPS)
+    # the trained steps' log-prob: the exact Gaussian, or "simple" = -mean (x' - μ)² (CPS references; cps only)
+    log_prob_form: Literal["gaussian", "simple"] = "gaussian"
     window_size: Optional[int] = None  # trained SDE steps per trajectory (MixGRPO window); None = all steps
     window_range: Optional[tuple[int, int]] = None  # inclusive range of window starts; None = any that fits
     guidance_scale: float = 1.0  # > 1: true CFG with the empty prompt
-    max_num_seqs: int = 64  # requests per engine forward
-    # each prompt's text padded to a multiple of this (prompt and negative prompt apart); 1 = real tokens, no
-    # attention mask; larger lets prompts of near lengths share a batch, at the cost of a masked attention kernel
-    text_pad_multiple: int = 1
     # torch.compile mode for the rollout model's blocks, e.g. "default"; None = eager
     compile: Optional[str] = None
-    # the engine's inference fusions (model_specs.common.fusion): GELU in fc1's GEMM epilogue, q/k norm + RoPE in
-    # one kernel; false = the model's plain forward (the trainer's math, op for op)
-    fuse: bool = True
 
     def validate(self) -> None:
+        try:
+            self.check_engine()
+        except ValueError as e:
+            raise ConfigError(f"rollout.{e}") from None
         _require_positive("rollout", prompts_per_step=self.prompts_per_step, group_size=self.group_size,
-                          num_steps=self.num_steps, max_num_seqs=self.max_num_seqs,
-                          text_pad_multiple=self.text_pad_multiple)
+                          num_steps=self.num_steps)
+        if self.log_prob_form == "simple" and self.sampler != "cps":
+            raise ConfigError(f"rollout.log_prob_form: 'simple' is the CPS references' form; with "
+                              f"rollout.sampler={self.sampler!r} expected 'gaussian'")
         if self.window_size is not None and not 1 <= self.window_size <= self.num_steps:
             raise ConfigError(f"rollout.window_size: {self.window_size} is outside 1..num_steps={self.num_steps}")
         _check_compile("rollout", self.compile)
@@ -189,11 +196,17 @@ class AlgorithmConfig:
     # uncond half's backward per pair).  Later optimizer steps of the same RL step recompute it.
     reuse_rollout_uncond: bool = True
 
+    def loss_config(self):
+        """The loss's settings; the loss config validates them (one check per setting)."""
+        from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig
+
+        return FlowGRPOLossConfig(clip_range=self.clip_range, kl_beta=self.kl_beta, kl_form=self.kl_form)
+
     def validate(self) -> None:
-        if not 0 < self.clip_range < 1:
-            raise ConfigError(f"algorithm.clip_range: expected 0 < epsilon < 1, got {self.clip_range}")
-        if self.kl_beta < 0:
-            raise ConfigError(f"algorithm.kl_beta: expected >= 0, got {self.kl_beta}")
+        try:
+            self.loss_config()
+        except ValueError as e:
+            raise ConfigError(f"algorithm.{e}") from None
 
 
 @dataclass
@@ -210,7 +223,7 @@ class RewardConfig:
 class LoRAConfig:
     rank: int = 0  # 0 = full fine-tune; > 0 trains LoRA adapters only
     alpha: float = 0.0  # 0 = same as rank (scale 1)
-    targets: list[str] = field(default_factory=lambda: list(FLOW_GRPO_LORA_TARGETS))  # diffusers module names
+    targets: list[str] = field(default_factory=lambda: list(FLOW_GRPO_TARGETS))  # diffusers module names
 
     def validate(self) -> None:
         if self.rank < 0:

@@ -1,6 +1,6 @@
 """One object that records a run's step metrics everywhere they go.
 
-- console: a progress line per step (step, ETA, reward, judge, loss);
+- console: a progress line every ``log_every`` steps and at the last (step, ETA, reward, judge, loss);
 - ``metrics.jsonl``: one JSON object per step, flushed at once; on resume, lines from the resumed
   step on are dropped first, so the file continues exactly as an uninterrupted run would have;
 - wandb: offline by default (no account or network), "online" when asked, "disabled" to skip;
@@ -20,8 +20,10 @@ from megatron_omni.logging.images import curve_plot, image_grid
 
 class RunLogger:
     def __init__(self, run_dir: Path, total_steps: int, wandb_mode: str = "offline", project: str = "megatron-omni",
-                 config: dict | None = None, start_step: int = 0, curve_keys: tuple[str, ...] = ("reward_mean",)):
+                 config: dict | None = None, start_step: int = 0, curve_keys: tuple[str, ...] = ("reward_mean",),
+                 log_every: int = 1):
         self.run_dir, self.total_steps, self.curve_keys = Path(run_dir), total_steps, curve_keys
+        self.log_every = log_every
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history = self._truncate_from(start_step)
@@ -55,6 +57,8 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(record, step=step)
         self._steps_done += 1
+        if (step + 1) % self.log_every and step != self.total_steps - 1:
+            return
         elapsed = time.perf_counter() - self._t0
         eta = elapsed / self._steps_done * (self.total_steps - step - 1)
         shown = "  ".join(f"{k} {record[k]:.3f}" for k in ("reward_mean", "judge_mean", "loss") if k in record)

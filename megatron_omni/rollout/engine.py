@@ -25,6 +25,7 @@ import torch
 from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_shard
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
+from megatron_omni.rollout.config import EngineConfig
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
 from model_specs.common.fusion import fuse_inference, refresh_fused
@@ -94,20 +95,6 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 16  # requests per forward (CFG doubles the rows)
-    wait_ms: float = 5.0  # how long submit() lets a batch fill before running it
-    # each prompt's text is padded to a multiple of this (cond and negative prompt apart), so that requests share a
-    # batch only at one shape and batching never changes a sample; 1 = real tokens only: no padding, so no
-    # attention mask (a masked SDPA forward was 1.6x slower than the unmasked one at the rollout's batch 32 on
-    # an H200, bench/RESULTS.md); larger values let prompts of near lengths share a batch
-    text_pad_multiple: int = 1
-    # inference fusions (model_specs.common.fusion): fc1's bias + GELU in the GEMM epilogue (fc1's LoRA folded
-    # into that GEMM), q / k norm + RoPE + joint layout in one kernel; modules that cannot fuse keep their path
-    fuse: bool = True
 
 
 @dataclass
@@ -210,9 +197,7 @@ class EmbeddedEngine:
     def __init__(self, model: torch.nn.Module, arch: QwenImageConfig, encode_prompts: EncodeFn | None = None,
                  config: EngineConfig | None = None, tp_rank: int = 0, tp_size: int = 1):
         self.config = config or EngineConfig()
-        if self.config.max_num_seqs < 1 or self.config.wait_ms < 0 or self.config.text_pad_multiple < 1:
-            raise ValueError(f"EngineConfig {self.config}: expected max_num_seqs >= 1, wait_ms >= 0, "
-                             f"text_pad_multiple >= 1")
+        self.config.check_engine()
         if arch.out_features != arch.in_channels:
             raise ValueError(f"the model predicts {arch.out_features} channels per token but takes "
                              f"{arch.in_channels}; a velocity must have the latent's shape")

@@ -39,7 +39,7 @@ from megatron_omni.data.tasks import Task
 from megatron_omni.logging import RunLogger
 from megatron_omni.parallel.state import ParallelState
 from megatron_omni.rewards import AsyncRewardPool, build_reward
-from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request, Trajectory
+from megatron_omni.rollout.engine import EmbeddedEngine, Request, Trajectory
 from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines, SyncError, push_weights
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.microbatches import grpo_microbatches, without_reused_uncond
@@ -48,9 +48,6 @@ from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, r
 from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
 from model_specs.qwen_image.model import QwenImageModel
 from model_specs.qwen_image.spec import qwen_image_block_spec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class FlowGRPORun:
@@ -84,15 +81,10 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
     # the reward rose (reward hacking), against 0.34 -> 0.62 with per-sample windows.
     return [Request(prompt=task.prompts[p], prompt_id=k, seed=request_seed(cfg.train.seed, step, k * r.group_size + i),
                     img_fhw=task.img_fhw, num_steps=r.num_steps, shift=r.shift, sampler=r.sampler,
-                    noise_level=r.noise_level, window_size=r.window_size, window_range=r.window_range,
+                    noise_level=r.noise_level, log_prob_form=r.log_prob_form, window_size=r.window_size,
+                    window_range=r.window_range,
                     guidance_scale=r.guidance_scale, keep_uncond_velocity=reuses_uncond(cfg))
             for k, p in enumerate(picks) for i in range(r.group_size)]
-
-
-def engine_config(rollout) -> EngineConfig:
-    """The embedded engine's settings from the run's ``rollout`` section."""
-    return EngineConfig(max_num_seqs=rollout.max_num_seqs, fuse=rollout.fuse,
-                        text_pad_multiple=rollout.text_pad_multiple)
 
 
 def reuses_uncond(cfg: RunConfig) -> bool:
@@ -149,14 +141,14 @@ def _apply_lora(module: QwenImageModel, cfg: RunConfig) -> None:
 def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
     """The rollout engine of the run: in this process, or engine process(es) driven by trainer rank 0."""
     if cfg.sync.engine_placement == "in_process":
-        arch, dtype = cfg.model.arch, DTYPES[cfg.model.dtype]
+        arch, dtype = cfg.model.arch, cfg.model.torch_dtype
         model = QwenImageModel(arch, arch.transformer_config(1, params_dtype=dtype, perform_initialization=False),
                                state.tp_group, qwen_image_block_spec(cfg.model.backend)).to(state.torch_device)
         if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync, the base once
             _apply_lora(model, cfg)
         if cfg.rollout.compile:
             compile_blocks(model, cfg.rollout.compile)
-        return EmbeddedEngine(model, arch, task.encode, engine_config(cfg.rollout))
+        return EmbeddedEngine(model, arch, task.encode, cfg.rollout)  # the rollout section is the engine's config
     engines = None
     if state.rank == 0:
         s = cfg.sync
@@ -197,14 +189,13 @@ def _initial_weights(cfg: RunConfig, state: ParallelState):
 
 
 def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, resume: bool) -> tuple[FlowGRPORun, int]:
-    arch, dtype = cfg.model.arch, DTYPES[cfg.model.dtype]
+    arch, dtype = cfg.model.arch, cfg.model.torch_dtype
     torch.manual_seed(cfg.train.seed)  # random init (no weights configured) is then a function of the seed
     policy = build_policy(arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad, dtype=dtype,
                           backend=cfg.model.backend, prepare=_initial_weights(cfg, state))
     if cfg.train.compile:
         compile_policy(policy, cfg.train.compile)
-    loss_config = FlowGRPOLossConfig(clip_range=cfg.algorithm.clip_range, kl_beta=cfg.algorithm.kl_beta,
-                                     kl_form=cfg.algorithm.kl_form)
+    loss_config = cfg.algorithm.loss_config()
     # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not
     forward_step = flow_grpo_forward_step(loss_config, reference=reference_policy(cfg, policy))
     checkpointer = Checkpointer(run_dir / "checkpoints")
@@ -216,7 +207,8 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     if cfg.reward.judge:
         fns["judge"] = build_reward(cfg.reward.judge)
     logger = RunLogger(run_dir, cfg.train.steps, cfg.logging.wandb_mode, cfg.logging.project,
-                       config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns))
+                       config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns),
+                       log_every=cfg.logging.log_every)
     run = FlowGRPORun(cfg, task, policy, engine, AsyncRewardPool(fns, num_workers=cfg.reward.workers), checkpointer,
                       logger, forward_step)
     push_policy_weights(run)
@@ -370,7 +362,7 @@ def _utilisation(cfg: RunConfig, task: Task, trajs: list[Trajectory], seconds: f
                               reused_uncond_pairs=reused, check_samples=cfg.algorithm.logprob_check_samples,
                               check_reuses_uncond=reuses_uncond(cfg), kl=cfg.algorithm.kl_beta > 0)
     out = {"tflops_per_second": flops / seconds / 1e12}
-    peak = device_peak_flops(DTYPES[cfg.model.dtype])
+    peak = device_peak_flops(cfg.model.torch_dtype)
     if peak:
         out["mfu"] = flops / seconds / peak
     return out

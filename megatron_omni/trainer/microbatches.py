@@ -1,8 +1,9 @@
 """Trajectories -> Flow-GRPO micro-batches over (sample, trained step) pairs.
 
 Pairs are taken in (sample, step) order and cut into micro-batches of ``size`` pairs; a micro-batch
-carries exactly what the rollout saw for each pair (x_t, x_t', t, t', the rollout's log-prob, the
-prompt's text embedding and the negative prompt's when the rollout used true CFG).  Text is laid out as the
+carries exactly what the rollout saw for each pair (x_t, x_t', t, t', the rollout's log-prob, the sampler kind
+and log-prob form that drew x_t', the prompt's text embedding and the negative prompt's when the rollout used
+true CFG).  Text is laid out as the
 rollout engine lays it out (``megatron_omni.data.text_layout``): real tokens only, each prompt padded to the
 length the engine gave it (cond and negative prompt apart), a micro-batch's branch to its longest row, and no mask
 when nothing is padded.
@@ -66,9 +67,13 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
                       size: int, reuse_uncond: bool = False,
                       text_pad_multiple: int = EngineConfig.text_pad_multiple) -> list[FlowGRPOMicroBatch]:
     req = trajs[0].request
-    if any((t.request.img_fhw, t.request.noise_level, t.request.guidance_scale) !=
-           (req.img_fhw, req.noise_level, req.guidance_scale) for t in trajs):
-        raise ValueError("trajectories of one training batch must share image grid, noise level and guidance")
+    shared = ("img_fhw", "noise_level", "guidance_scale", "sampler", "log_prob_form")
+    for t in trajs:
+        differ = [f"{k}={getattr(t.request, k)!r} vs {getattr(req, k)!r}" for k in shared
+                  if getattr(t.request, k) != getattr(req, k)]
+        if differ:
+            raise ValueError(f"trajectories of one training batch must share {', '.join(shared)}; request "
+                             f"{t.request.prompt_id!r} differs from the first: {'; '.join(differ)}")
     pairs = _pairs(trajs)
     if not pairs:
         raise ValueError("no trained steps in these trajectories (sampler 'ode', or an empty SDE window)")
@@ -94,5 +99,6 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
             t_next=torch.stack([t.sigmas[j + 1] for t, j in zip(rows, steps)]).to(device),
             old_log_prob=torch.stack([t.log_probs[j] for t, j in zip(rows, steps)]).to(device),
             advantage=advantages_N[[i for i, _ in chunk]].to(device),
-            noise_level=req.noise_level, sigma_1=float(rows[0].sigmas[1]), **uncond))
+            noise_level=req.noise_level, sigma_1=float(rows[0].sigmas[1]), sampler=req.sampler,
+            log_prob_form=req.log_prob_form, **uncond))
     return out

@@ -38,7 +38,7 @@ def test_clipped_loss_metrics_and_gradient():
 
 def test_zero_advantage_gives_zero_loss_and_gradient():
     new, old = _log_probs()
-    loss, _ = flow_grpo_loss(new, old, torch.zeros(5), FlowGRPOLossConfig())
+    loss, _ = flow_grpo_loss(new, old, torch.zeros(5), FlowGRPOLossConfig(clip_range=EPS))
     loss.backward()
     assert loss.item() == 0.0 and not new.grad.any()
 
@@ -85,12 +85,13 @@ def test_kl_term_enters_the_loss_with_beta():
 def test_errors_name_the_bad_value():
     new, old = _log_probs()
     with pytest.raises(ValueError, match=r"shapes \[\(5,\), \(5,\), \(4,\)\]"):
-        flow_grpo_loss(new, old, torch.ones(4), FlowGRPOLossConfig())
+        flow_grpo_loss(new, old, torch.ones(4), FlowGRPOLossConfig(clip_range=EPS))
     with pytest.raises(ValueError, match=r"kl_beta=0.1 needs .* missing \['ref_mean_BX', 'std_B', 'dt_B'\]"):
-        flow_grpo_loss(new, old, torch.ones(5), FlowGRPOLossConfig(kl_beta=0.1), mean_BX=torch.zeros(5, 2))
+        flow_grpo_loss(new, old, torch.ones(5), FlowGRPOLossConfig(clip_range=EPS, kl_beta=0.1), mean_BX=torch.zeros(5, 2))
     with pytest.raises(ValueError, match="kl_form 'gaussian' is not one of"):
-        FlowGRPOLossConfig(kl_form="gaussian")
-    with pytest.raises(ValueError, match="clip_range must be > 0; got 0"):
-        FlowGRPOLossConfig(clip_range=0)
+        FlowGRPOLossConfig(clip_range=EPS, kl_form="gaussian")
+    for bad in (0, 1.0):
+        with pytest.raises(ValueError, match=f"clip_range must be > 0 and < 1; got {bad}"):
+            FlowGRPOLossConfig(clip_range=bad)
     with pytest.raises(ValueError, match=r"std has shape \(3,\); expected a scalar or 2 values"):
         kl_to_reference(MEAN, MEAN, torch.ones(3), DT)

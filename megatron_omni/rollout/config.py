@@ -1,0 +1,29 @@
+"""The rollout engine's settings, declared once: the run config's ``rollout`` section extends this class, and
+the loop hands that section to the engine as it is (``megatron_omni.config.schema.RolloutConfig``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64  # requests per forward (CFG doubles the rows)
+    wait_ms: float = 5.0  # how long submit() lets a batch fill before running it
+    # each prompt's text is padded to a multiple of this (cond and negative prompt apart), so that requests share a
+    # batch only at one shape and batching never changes a sample; 1 = real tokens only: no padding, so no
+    # attention mask (a masked SDPA forward was 1.6x slower than the unmasked one at the rollout's batch 32 on
+    # an H200, bench/RESULTS.md); larger values let prompts of near lengths share a batch
+    text_pad_multiple: int = 1
+    # inference fusions (model_specs.common.fusion): fc1's bias + GELU in the GEMM epilogue (fc1's LoRA folded
+    # into that GEMM), q / k norm + RoPE + joint layout in one kernel; modules that cannot fuse keep their path;
+    # false = the model's plain forward (the trainer's math, op for op)
+    fuse: bool = True
+
+    def check_engine(self) -> None:
+        """Raise ValueError naming the engine setting that cannot work."""
+        for name, value, lowest in (("max_num_seqs", self.max_num_seqs, 1),
+                                    ("text_pad_multiple", self.text_pad_multiple, 1)):
+            if not isinstance(value, int) or value < lowest:
+                raise ValueError(f"{name}: expected an integer >= {lowest}, got {value!r}")
+        if not self.wait_ms >= 0:
+            raise ValueError(f"wait_ms: expected >= 0 milliseconds, got {self.wait_ms!r}")
