@@ -28,14 +28,14 @@ REWARD = "jpeg_compressibility"  # no OCR engine on the GPU machine; a real rule
 
 @dataclass
 class Recipe:
-    """The VeRL-Omni Qwen-Image FlowGRPO OCR recipe's shape (ALGORITHMS.md, BENCHMARKS.md)."""
+    """The VeRL-Omni Qwen-Image FlowGRPO OCR recipe's shape (docs/algorithms.md, docs/benchmarks.md)."""
 
     arch: QwenImageConfig
     device: torch.device
     dtype: torch.dtype
     img_fhw: tuple[int, int, int] = (1, 32, 32)  # 512 px / 8 (VAE) / 2 (2x2 packing): 1024 image tokens
-    text_tokens: int = 128  # per prompt, no padding (BENCHMARKS.md's 1024 + 128 tokens)
-    negative_tokens: int | None = None  # the negative prompt's; None = text_tokens (BENCHMARKS.md's shape)
+    text_tokens: int = 128  # per prompt, no padding (docs/benchmarks.md's 1024 + 128 tokens)
+    negative_tokens: int | None = None  # the negative prompt's; None = text_tokens (docs/benchmarks.md's shape)
     num_steps: int = 10
     shift: float = 1.714  # e^mu with Qwen-Image's dynamic-shift mu = 0.539 at 1024 image tokens, as a static shift
     guidance: float = 4.0  # true CFG, Qwen-Image's per-token norm rescale
@@ -46,7 +46,7 @@ class Recipe:
     prompts: int = 1
     rollout_batch: int = 16  # samples per rollout forward: 32 rows with CFG
     micro_batch: int = 4  # (sample, step) pairs per training forward of ours
-    reference_micro_batch: int = 4  # the peer loop's, as BENCHMARKS.md measured it
+    reference_micro_batch: int = 4  # the peer loop's, as docs/benchmarks.md measured it
     # ours: the one optimizer step per RL step reuses the rollout's uncond outputs (weights unchanged since)
     reuse_uncond: bool = True
     lora_rank: int = 64

@@ -1,4 +1,4 @@
-"""The peer loop, DiT side: the usual way (BENCHMARKS.md) -- diffusers ``QwenImageTransformer2DModel`` + peft
+"""The peer loop, DiT side: the usual way (docs/benchmarks.md) -- diffusers ``QwenImageTransformer2DModel`` + peft
 LoRA on the same 12 modules, a plain PyTorch loop as flow_grpo builds it: fp32 adapters (peft's
 ``get_peft_model``), bf16 autocast (accelerate's mixed precision), rollout with cond + uncond batched (32 rows
 per forward), training micro-batches of 4 pairs with the uncond branch recomputed under ``no_grad``, AdamW.

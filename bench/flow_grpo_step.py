@@ -21,8 +21,8 @@ with the device synchronised at both ends.
 MFU counts the work each loop runs (megatron_omni.trainer.mfu.varlen_step_flops with the Qwen-Image FLOP
 counters, each row at its text length: 26 forwards per image, 24 for ours when it reuses the rollout's uncond
 outputs in training (the default; --no-reuse-uncond recomputes them); the LoRA adapters' FLOPs counted, and a
-note gives the base model's alone) against the measured bf16 peak (792 TFLOP/s on an H200, BENCHMARKS.md).
-``--negative-tokens N`` gives the negative prompt N tokens (default: as many as a prompt, BENCHMARKS.md's shape):
+note gives the base model's alone) against the measured bf16 peak (792 TFLOP/s on an H200, docs/benchmarks.md).
+``--negative-tokens N`` gives the negative prompt N tokens (default: as many as a prompt, docs/benchmarks.md's shape):
 ours then runs cond and uncond rows as two unpadded forwards, the reference as diffusers' pipeline does (two).
 """
 from __future__ import annotations
@@ -209,8 +209,8 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
     else:
         notes.append("ours (--no-reuse-uncond) recomputes the uncond rows in their own forward under no_grad (the "
                      "loss detaches that branch), as the reference does: 3 forward-equivalents per pair")
-    notes.append("targets (BENCHMARKS.md): DiT side >= 1.3 images/s and >= 1.7x the reference; end to end >= 1.0 "
-                 "images/s; rollout >= 75 % MFU; train >= 55 % MFU")
+    notes.append("targets (docs/benchmarks.md): DiT side >= 1.5 images/s and >= 2.5x the reference; end to end >= 1.3 "
+                 "images/s; rollout >= 80 % MFU at batch >= 8; train >= 60 % MFU")
     table.caption, table.caption_justify = "\n".join(notes), "left"
     Console(width=200).print(table)
 

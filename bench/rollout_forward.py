@@ -18,7 +18,7 @@ rows at random sigmas.
 ``--blocks-per-graph``: under --compile, consecutive blocks per compiled graph (megatron_omni.compile; default its
 BLOCKS_PER_GRAPH).
 
-MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, BENCHMARKS.md); FLOPs from
+MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, docs/benchmarks.md); FLOPs from
 model_specs/qwen_image/flops.py (16.6 TFLOP per image at 512x512).
 """
 from __future__ import annotations

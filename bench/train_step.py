@@ -14,7 +14,7 @@ optimizer.  Old log-probs come from a forward-only pass first, so the ratios are
 * full: every parameter trained (megatron's Adam, fp32 main weights and grads): 3 forwards' FLOPs per pair.
   The 20.4 B model's optimizer state does not fit one GPU, so this runs ``--full-layers`` blocks (same
   block shapes; MFU per block is what the full model would reach, the embedders are a rounding error).
-MFU is against the measured bf16 matmul peak (792 TFLOP/s on an H200, BENCHMARKS.md) and counts the LoRA adapters'
+MFU is against the measured bf16 matmul peak (792 TFLOP/s on an H200, docs/benchmarks.md) and counts the LoRA adapters'
 FLOPs (forward, activation and adapter weight gradients: megatron_omni.trainer.mfu); "base MFU" counts the base
 model's alone (a LoRA pair = 2 forward-equivalents, a full fine-tuning pair 3), as this bench did before 2026-12-01.
 """

@@ -1,4 +1,4 @@
-"""Weight sync, trainer -> rollout engines (DESIGN.md decision 5).
+"""Weight sync, trainer -> rollout engines (docs/design.md, decision 5).
 
     exporter = HFExporter(policy.module, state.tp_group, mode="merged", bucket_bytes=...)
     push_weights(engines, exporter, bucket_bytes, checksum)   # every TP rank calls it; rank 0 sends

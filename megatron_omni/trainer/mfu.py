@@ -1,6 +1,6 @@
 """Model FLOP utilisation: the FLOPs a step's work needed over what the device could do in that time.
 
-The peak is the measured bf16 matrix rate of the device (BENCHMARKS.md: 792 TFLOP/s on an H200; the
+The peak is the measured bf16 matrix rate of the device (docs/benchmarks.md: 792 TFLOP/s on an H200; the
 H100 has the same tensor cores).  Where no peak is known (CPUs, other GPUs, fp32 runs) only the
 achieved TFLOP/s is reported.
 

@@ -1,6 +1,6 @@
 """Supervised flow-matching (rectified flow) training through megatron-core's schedule.
 
-x_σ = (1 − σ)·x0 + σ·ε and the model regresses v = ε − x0 (ALGORITHMS.md).  Used to give the demo a
+x_σ = (1 − σ)·x0 + σ·ε and the model regresses v = ε − x0 (docs/algorithms.md).  Used to give the demo a
 base model before RL; the same forward_step works for SFT of any family with this forward signature.
 """
 from __future__ import annotations

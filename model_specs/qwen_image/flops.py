@@ -2,7 +2,7 @@
 
 Per block and token: 12·h² matmul weights (QKV 3h², output h², MLP 8h²) in either stream; joint
 attention 4·S²·h per sample (QKᵀ and AV over S = S_T + S_I tokens); the adaLN modulation acts once per
-sample (12·h² per block).  BENCHMARKS.md counts the same way (16.6 TFLOP at 512², 60 blocks).
+sample (12·h² per block).  docs/benchmarks.md counts the same way (16.6 TFLOP at 512², 60 blocks).
 
 LoRA adapters (``lora_forward_flops``): a rank-r adapter on a K -> N linear costs 2·r·(K + N) per token
 (A x, then B h), on the tokens of the linear's stream.
