@@ -1,0 +1,146 @@
+"""Tiny random-init diffusers pipeline folders, built offline in seconds (CPU tests of pipeline parts).
+
+``build_qwen_image_pipeline`` writes a complete ``QwenImagePipeline`` folder (or ``QwenImageEditPipeline``
+with ``edit=True``) with ``save_pretrained``; ``from_pretrained`` on it generates like the real one, only
+with small random networks.  Every component is built under one seed, so a folder is a function of its
+arguments (byte for byte).  The edit folder's ``processor/`` loads as a ``Qwen2VLProcessor`` only where
+torchvision is installed (transformers 5.x needs it for the processor's video half, even for images).
+
+The tokenizer is a byte-level BPE trained here on a fixed corpus that holds both prompt templates, so
+every word of a template is one token: the template prefix is then exactly the 34 (text-to-image) /
+64 (edit) tokens that the pipelines drop, as with the real Qwen2.5-VL tokenizer.  The byte alphabet makes
+any text (letters, digits, punctuation: OCR-style prompts) tokenize.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>")
+CORPUS = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n",
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>",
+    "<|im_end|>\n<|im_start|>assistant\n",
+    "a red cat sitting on a blue mat, a photo of a dog in the park at night",
+    "a sign that reads OPEN 24 HOURS; the number 0123456789 written in black ink on white paper",
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz 0 1 2 3 4 5 6 7 8 9 . , ! ? : ; ' \" ( ) - +",
+    "make the sky green and add the word HELLO, remove the tree, turn it into a watercolor painting",
+)
+# Qwen-Image's scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler with dynamic shifting)
+QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, invert_sigmas=False, max_image_seq_len=8192,
+                            max_shift=0.9, num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
+                            stochastic_sampling=False, time_shift_type="exponential", use_beta_sigmas=False,
+                            use_dynamic_shifting=True, use_exponential_sigmas=False, use_karras_sigmas=False)
+VISION_PATCH, VISION_MERGE, VISION_TEMPORAL = 14, 2, 2  # Qwen2.5-VL's; the image processor must agree
+PROCESSOR_CLASS = ["transformers", "Qwen2VLProcessor"]  # model_index.json entry of the edit pipeline
+
+
+def build_tokenizer(vocab_size: int = 1024):
+    """Byte-level BPE trained on ``CORPUS`` wrapped as the ``Qwen2TokenizerFast`` that Qwen-Image loads.  The
+    default size lets training merge every word of the corpus (it stops there, at 630 tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=1,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(CORPUS, trainer=trainer)
+    return Qwen2TokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                              unk_token=None, bos_token=None, padding_side="right")
+
+
+def _text_encoder(tokenizer, hidden: int, layers: int):
+    """``Qwen2_5_VLForConditionalGeneration`` of width ``hidden`` (4 heads of hidden/4, 2 KV heads) with a
+    one-block vision tower projecting to ``hidden``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    head_dim = hidden // 4
+    if hidden % 8:
+        raise ValueError(f"text_hidden={hidden}; expected a multiple of 8 (4 heads with an even rotary half)")
+    quarter = head_dim // 2 // 4  # M-RoPE sections (temporal, height, width) over head_dim / 2 frequencies
+    section = [quarter, quarter, head_dim // 2 - 2 * quarter]
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section},
+                bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
+                  patch_size=VISION_PATCH, spatial_merge_size=VISION_MERGE, temporal_patch_size=VISION_TEMPORAL,
+                  window_size=112, fullatt_block_indexes=[0])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def _write_processor(folder: Path, tokenizer) -> None:
+    """The ``processor/`` folder of QwenImageEditPipeline (a ``Qwen2VLProcessor``), laid out as Qwen-Image-Edit's:
+    the image processor's ``preprocessor_config.json``, a video processor config and the tokenizer files.  The
+    pixel budget is capped at 4 x 28 x 28 so that a source image costs the text encoder at most 4 vision tokens.
+
+    It is written file by file: transformers 5.x cannot build a ``Qwen2VLProcessor`` object without torchvision
+    (it type-checks its absent video processor; transformers#43986), so ``save_pretrained`` is not available."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    side = VISION_PATCH * VISION_MERGE
+    images = Qwen2VLImageProcessorPil(patch_size=VISION_PATCH, merge_size=VISION_MERGE,
+                                      temporal_patch_size=VISION_TEMPORAL,
+                                      size={"shortest_edge": side * side, "longest_edge": 4 * side * side})
+    folder.mkdir(parents=True, exist_ok=True)
+    images.save_pretrained(folder)
+    video = {k: v for k, v in images.to_dict().items() if k != "image_processor_type"}
+    video.update(video_processor_type="Qwen2VLVideoProcessor", processor_class=PROCESSOR_CLASS[1])
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    tokenizer.save_pretrained(folder)
+
+
+def build_qwen_image_pipeline(out_dir: str | os.PathLike, *, seed: int = 0, edit: bool = False, layers: int = 2,
+                              text_hidden: int = 32, text_layers: int = 2, heads: int = 4, head_dim: int = 32,
+                              vae_base_dim: int = 16, z_dim: int = 16) -> Path:
+    """Write a tiny random-init ``QwenImagePipeline`` (``edit``: ``QwenImageEditPipeline``) folder at ``out_dir``
+    and return its path.  ``layers``: transformer blocks; ``text_hidden``: the text encoder's width, which is
+    the transformer's ``joint_attention_dim``; the transformer takes ``4 * z_dim`` packed channels."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
+                           QwenImagePipeline, QwenImageTransformer2DModel)
+
+    if head_dim % 8:
+        raise ValueError(f"head_dim={head_dim}; expected a multiple of 8 (three even RoPE axes)")
+    axes = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)  # (frame, height, width), as (16, 56, 56) / 128
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tokenizer = build_tokenizer()
+        text_encoder = _text_encoder(tokenizer, text_hidden, text_layers)
+        vae = AutoencoderKLQwenImage(base_dim=vae_base_dim, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                     attn_scales=[], temperal_downsample=[False, True, True])
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=layers, attention_head_dim=head_dim,
+            num_attention_heads=heads, joint_attention_dim=text_hidden, axes_dims_rope=axes)
+    components = dict(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae.eval(),
+                      text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer.eval())
+    out = Path(out_dir)
+    if not edit:
+        QwenImagePipeline(**components).save_pretrained(out, safe_serialization=True)
+        return out
+    saver = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    level = saver.level
+    saver.setLevel(logging.ERROR)  # it warns that processor=None is not saved: _write_processor writes it
+    try:
+        QwenImageEditPipeline(processor=None, **components).save_pretrained(out, safe_serialization=True)
+    finally:
+        saver.setLevel(level)
+    _write_processor(out / "processor", tokenizer)
+    index = json.loads((out / "model_index.json").read_text())
+    index["processor"] = PROCESSOR_CLASS
+    (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out
