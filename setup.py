@@ -39,6 +39,7 @@ setup(
     description="RL post-training (FlowGRPO family, DPO, GSPO) for DiT and omni models on Megatron-core",
     python_requires=">=3.10",
     packages=_packages(),
+    package_data={"megatron_omni.data": ["ocr_prompts/*"]},  # the OCR prompt set, its README and LICENSE
     install_requires=[
         "torch>=2.6",
         "numpy",
