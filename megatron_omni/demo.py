@@ -29,8 +29,6 @@ from megatron_omni.rollout.engine import EmbeddedEngine, Request
 from megatron_omni.trainer.flow_grpo import export_hf, train
 from megatron_omni.trainer.policy import build_policy
 from megatron_omni.trainer.pretrain import pretrain
-from model_specs.qwen_image.model import QwenImageModel
-from model_specs.qwen_image.spec import qwen_image_block_spec
 
 EVAL_SEEDS = 8  # evaluation samples per digit, fixed seeds (same before and after RL)
 # A deliberately short pretraining: a base model that draws digits, but often the wrong one or a
@@ -40,9 +38,8 @@ PRETRAIN_STEPS = 80
 
 def evaluate(policy, task: Task, cfg, judges: dict) -> dict[str, float]:
     """Mean reward and judge over 10 digits x EVAL_SEEDS fixed seeds, sampled as in training (SDE)."""
-    arch = cfg.model.arch
-    model = QwenImageModel(arch, arch.transformer_config(1, perform_initialization=False), policy.state.tp_group,
-                           qwen_image_block_spec("local"))
+    family, arch = cfg.model.family_impl, cfg.model.arch
+    model = family.build(arch, family.transformer_config(arch, 1, perform_initialization=False), policy.state.tp_group)
     engine = EmbeddedEngine(model, arch, task.encode, cfg.rollout)
     engine.load_weights(export_hf(policy))
     r = cfg.rollout
@@ -61,7 +58,8 @@ def _pretrain(cfg, state, task: Task, out: Path, steps: int) -> tuple:
     emb, mask = task.encode(task.prompts + [""])
     losses = pretrain(policy, pack_2x2(x), emb[labels], mask[labels], task.img_fhw, steps=steps, batch_size=64,
                       seed=cfg.train.seed, uncond=(emb[-1], mask[-1]))
-    save_model(policy.module, out / "pretrained", {"family": "qwen_image", "arch": cfg.model.arch.to_diffusers(),
+    family = cfg.model.family_impl
+    save_model(policy.module, out / "pretrained", {"family": family.name, "arch": family.arch_to_config(cfg.model.arch),
                                                   "tp": 1, "pp": 1, "dtype": cfg.model.dtype})
     return policy, losses
 

@@ -42,7 +42,7 @@ def test_train_print_config_is_loadable_yaml(capsys, tmp_path):
 def test_train_refuses_a_model_that_does_not_fit_the_task(capsys):
     assert cli.main(["train", "--recipe", "qwen_image_tiny", "parallel.device=cpu"]) == 2
     err = capsys.readouterr().err
-    assert "task 'digits' has 4 packed latent channels" in err and "in_channels=64" in err
+    assert "task 'digits' has 4 packed latent channels" in err and "takes and predicts 64" in err
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])

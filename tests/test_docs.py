@@ -29,19 +29,6 @@ DECISION_REF = re.compile(r"\b[Dd]ecision (\d+)\b")
 DESIGN = "docs/design.md"
 MD = ".md"  # names below are built from it, so that this file cites nothing itself
 
-# Citations in files whose owner has been asked to point them at docs/ (their files were being changed when
-# docs/ was written): (citing file, cited name).  Remove an entry once its file cites the docs/ file;
-# test_pending_citations_are_still_pending fails when an entry is no longer needed.
-PENDING = {
-    ("megatron_omni/config/schema.py", f"ALGORITHMS{MD}"),
-    ("megatron_omni/config/schema.py", f"DESIGN{MD}"),
-    ("megatron_omni/rollout/samplers.py", f"ALGORITHMS{MD}"),
-    ("megatron_omni/rollout/schedule.py", f"ALGORITHMS{MD}"),
-    ("tests/rollout/test_samplers.py", f"ALGORITHMS{MD}"),
-    ("tests/algorithms/test_flow_grpo_step.py", f"ALGORITHMS{MD}"),
-    ("tests/trainer/test_mfu.py", f"BENCHMARKS{MD}"),
-    ("megatron_omni/testing/tiny_pipelines.py", f"/work/shared/DIFFUSERS{MD}"),
-}
 
 
 def _repo_files() -> list[str]:
@@ -85,19 +72,9 @@ def test_every_cited_markdown_file_exists():
     files = _repo_files()
     present = set(files)
     dangling = [f"{path}:{number}: {ref}" for path, number, ref in _citations(files)
-                if not _resolves(ref, path, present) and (path, ref) not in PENDING]
+                if not _resolves(ref, path, present)]
     assert not dangling, ("markdown files cited but not in the repository (point the citation at docs/, or add "
                           "the file):\n  " + "\n  ".join(dangling))
-
-
-def test_pending_citations_are_still_pending():
-    """PENDING lists only citations that still dangle: an entry whose file was fixed must go (an entry whose
-    file is not in the checkout is left alone)."""
-    files = _repo_files()
-    present = set(files)
-    dangling = {(path, ref) for path, _, ref in _citations(files) if not _resolves(ref, path, present)}
-    fixed = sorted((path, ref) for path, ref in PENDING - dangling if path in present)
-    assert not fixed, f"these citations resolve now; remove them from PENDING in {__file__}: {fixed}"
 
 
 def _design_decisions() -> set[int]:

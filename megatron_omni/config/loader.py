@@ -39,7 +39,7 @@ def load_config(recipe: Optional[str] = None, yaml_path: Optional[str] = None,
     try:
         run = OmegaConf.to_object(cfg)  # real dataclass instances; tuples come back as tuples
     except OmegaConfBaseException as e:  # e.g. an interpolation ${...} that does not resolve
-        raise _translate(e, source="") from None
+        raise _translate(e, source="", cfg=cfg) from None
     run.validate()
     return run
 
@@ -69,18 +69,18 @@ def _merge(cfg: DictConfig, other: Optional[DictConfig], source: str, dotlist: S
         else:
             cfg.merge_with(other)
     except OmegaConfBaseException as e:
-        raise _translate(e, source) from None
+        raise _translate(e, source, cfg) from None
     except TypeError as e:  # OmegaConf.merge raises a bare TypeError for a mapping given for a list
         raise ConfigError(f"{e} ({source})") from None
 
 
 # ---- OmegaConf exception -> one clear message ------------------------------------------------------
 
-def _translate(err: OmegaConfBaseException, source: str) -> ConfigError:
+def _translate(err: OmegaConfBaseException, source: str, cfg: Optional[DictConfig] = None) -> ConfigError:
     key = str(getattr(err, "full_key", None) or getattr(err, "key", None) or "")
     path = re.findall(r"[^.\[\]]+", key)  # "model.arch.axes_dims_rope[0]" -> model, arch, axes_dims_rope, 0
     suffix = f" ({source})" if source else ""
-    parent = _strip_optional(_field_type(path[:-1])) if path else _MISSING
+    parent = _strip_optional(_field_type(path[:-1], cfg)) if path else _MISSING
     if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(parent):
         known = ", ".join(f.name for f in dataclasses.fields(parent))
         return ConfigError(f"unknown key {key!r} (known: {known}){suffix}")
@@ -88,7 +88,7 @@ def _translate(err: OmegaConfBaseException, source: str) -> ConfigError:
         whole = key.rsplit("[", 1)[0]
         return ConfigError(f"{key}: a tuple is set as a whole; expected {whole}=[...] "
                            f"({_type_name(parent)}){suffix}")
-    expected = _field_type(path) if path else _MISSING
+    expected = _field_type(path, cfg) if path else _MISSING
     if isinstance(err, ValidationError) and expected is not _MISSING:
         value = getattr(err, "value", None)
         if typing.get_origin(expected) is Literal:
@@ -99,14 +99,18 @@ def _translate(err: OmegaConfBaseException, source: str) -> ConfigError:
     return ConfigError(f"{key + ': ' if key else ''}{msg}{suffix}")
 
 
-def _field_type(path: Sequence[str]) -> Any:
-    """The annotated type of the field at dotted ``path`` below RunConfig, or _MISSING."""
+def _field_type(path: Sequence[str], cfg: Optional[DictConfig] = None) -> Any:
+    """The annotated type of the field at dotted ``path`` below RunConfig, or _MISSING.  A field typed ``Any``
+    (``model.arch``: the model family's dataclass) takes the type of its value in ``cfg``."""
     tp: Any = RunConfig
-    for part in path:
+    for i, part in enumerate(path):
         tp = _strip_optional(tp)
         if not dataclasses.is_dataclass(tp) or part not in {f.name for f in dataclasses.fields(tp)}:
             return _MISSING
         tp = typing.get_type_hints(tp)[part]
+        if tp is Any and cfg is not None:
+            node = OmegaConf.select(cfg, ".".join(path[:i + 1]), throw_on_missing=False)
+            tp = OmegaConf.get_type(node) if isinstance(node, DictConfig) else Any
     return tp
 
 

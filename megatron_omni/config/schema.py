@@ -5,12 +5,11 @@ choices, and YAML files and ``a.b=c`` overrides are type-checked against them on
 (see :mod:`megatron_omni.config.loader`). Checks that span several fields live in ``validate()``.
 """
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from megatron_omni.rollout.config import EngineConfig
 from model_specs.common.dtypes import DTYPES
-from model_specs.common.lora import FLOW_GRPO_TARGETS
-from model_specs.qwen_image.config import QwenImageConfig
+from model_specs.family import family_names, family_of, get_family
 
 
 class ConfigError(ValueError):
@@ -77,21 +76,37 @@ class ParallelConfig:
 
 @dataclass
 class ModelConfig:
-    # One family today; a new family adds its name here and its arch class to `arch`.
-    family: Literal["qwen_image"] = "qwen_image"
-    arch: QwenImageConfig = field(default_factory=QwenImageConfig)  # full-size Qwen-Image by default
+    family: str = "qwen_image"  # a registered model family (model_specs.family.FAMILIES)
+    # the family's arch config (its dataclass, named as the diffusers config.json names it); None = the family's
+    # full-size default.  Overrides are type-checked against that dataclass: model.arch.num_layers=4
+    arch: Any = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # the keys of model_specs.common.dtypes.DTYPES
     backend: Literal["auto", "local", "te"] = "auto"  # auto: Transformer Engine when installed, else local
     hf_path: Optional[str] = None  # a diffusers transformer folder (config.json + safetensors)
     mcore_path: Optional[str] = None  # a megatron-core checkpoint written by `megatron-omni convert`
 
+    def __post_init__(self):
+        if self.arch is None and self.family in family_names():
+            self.arch = get_family(self.family).default_arch()
+
     @property
     def torch_dtype(self):
         return DTYPES[self.dtype]
 
-    def validate(self, tp: int) -> None:
+    @property
+    def family_impl(self):
+        """The ModelFamily object of ``family``."""
+        return get_family(self.family)
+
+    def validate(self, tp: int = 1, ulysses: int = 1, pipeline_chunks: int = 1) -> None:
+        if self.family not in family_names():
+            raise ConfigError(f"model.family: unknown family {self.family!r}; expected one of {family_names()}")
+        if family_of(self.arch) is not self.family_impl:
+            raise ConfigError(f"model.arch is a {type(self.arch).__name__} (family {family_of(self.arch).name!r}); "
+                              f"model.family={self.family!r} expects a {self.family_impl.arch_class.__name__}: start "
+                              f"from a recipe of that family")
         try:
-            self.arch.validate(tp)
+            self.family_impl.check_layout(self.arch, tp, ulysses, pipeline_chunks)
         except ValueError as e:
             raise ConfigError(f"model.arch: {e}") from None
         if self.hf_path is not None and self.mcore_path is not None:
@@ -153,7 +168,7 @@ class RolloutConfig(EngineConfig):
     num_steps: int = 10  # denoising steps of a rollout
     shift: float = 1.0  # static timestep shift s: sigma <- s*sigma / (1 + (s - 1)*sigma)
     sampler: Literal["sde", "cps", "dance"] = "sde"  # the trained (stochastic) steps' sampler
-    noise_level: float = 0.7  # a of ALGORITHMS.md (SDE), eta (Dance), a (CPS)
+    noise_level: float = 0.7  # a of docs/algorithms.md (SDE), eta (Dance), a (CPS)
     # the trained steps' log-prob: the exact Gaussian, or "simple" = -mean (x' - μ)² (CPS references; cps only)
     log_prob_form: Literal["gaussian", "simple"] = "gaussian"
     window_size: Optional[int] = None  # trained SDE steps per trajectory (MixGRPO window); None = all steps
@@ -223,7 +238,7 @@ class RewardConfig:
 class LoRAConfig:
     rank: int = 0  # 0 = full fine-tune; > 0 trains LoRA adapters only
     alpha: float = 0.0  # 0 = same as rank (scale 1)
-    targets: list[str] = field(default_factory=lambda: list(FLOW_GRPO_TARGETS))  # diffusers module names
+    targets: Optional[list[str]] = None  # diffusers module names; None = the model family's preset (lora_targets)
 
     def validate(self) -> None:
         if self.rank < 0:
@@ -232,7 +247,7 @@ class LoRAConfig:
 
 @dataclass
 class SyncConfig:
-    """Weight sync trainer -> rollout engine (megatron_omni.sync, DESIGN.md decision 5).  A sync that fails
+    """Weight sync trainer -> rollout engine (megatron_omni.sync, docs/design.md, decision 5).  A sync that fails
     (an engine process died, the sync group broke) restarts the engine processes once and sends the whole
     model again; a second failure in a row stops the run."""
 
@@ -286,10 +301,16 @@ class RunConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
 
+    @property
+    def lora_targets(self) -> list[str]:
+        """``lora.targets``, or the model family's preset."""
+        return list(self.lora.targets if self.lora.targets is not None else self.model.family_impl.lora_targets)
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` on the first field (or combination of fields) that cannot work."""
         self.parallel.validate()
-        self.model.validate(self.parallel.tp)
+        p = self.parallel
+        self.model.validate(p.tp, p.ulysses, p.pp * (p.vpp or 1))
         self.train.validate()
         self.logging.validate()
         for section in (self.data, self.rollout, self.algorithm, self.reward, self.lora, self.sync):
@@ -298,16 +319,7 @@ class RunConfig:
         self._validate_split()
 
     def _validate_split(self) -> None:
-        p, arch = self.parallel, self.model.arch
+        p = self.parallel
         if self.sync.engine_placement != "in_process" and p.pp > 1:
             raise ConfigError(f"sync.engine_placement: {self.sync.engine_placement} with parallel.pp={p.pp}; the "
                               f"FlowGRPO loop sends from one stage today, expected pp=1 or in_process")
-        # Ulysses re-splits the heads a TP rank holds, so each of its ranks must get whole heads.
-        if arch.num_attention_heads % (p.tp * p.ulysses):
-            raise ConfigError(f"parallel.ulysses: tp*ulysses = {p.tp}*{p.ulysses} does not divide "
-                              f"model.arch.num_attention_heads={arch.num_attention_heads}; expected a divisor")
-        # Even split of the blocks: every (virtual) pipeline stage builds the same number of layers.
-        chunks = p.pp * (p.vpp or 1)
-        if arch.num_layers % chunks:
-            raise ConfigError(f"model.arch.num_layers: {arch.num_layers} does not split over pp*vpp = {chunks} "
-                              f"pipeline chunks; expected a multiple of {chunks}")

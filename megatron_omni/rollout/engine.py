@@ -23,14 +23,13 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 
 from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_shard
-from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.config import EngineConfig
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
 from model_specs.common.fusion import fuse_inference, refresh_fused
 from model_specs.common.lora import base_parameters
-from model_specs.qwen_image.config import QwenImageConfig
+from model_specs.family import ModelFamily, family_of
 
 EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]  # prompts -> (emb [N,T,E], mask [N,T])
 
@@ -107,7 +106,7 @@ class _Prepared:
     arrived: float = field(default_factory=time.monotonic)
 
 
-def check_request(req: Request, arch: QwenImageConfig) -> None:
+def check_request(req: Request, text_dim: int) -> None:
     """Raise ValueError naming the request field a rollout cannot work with."""
     who = f"request {req.prompt_id!r}"
     if req.sampler not in KINDS:
@@ -126,8 +125,8 @@ def check_request(req: Request, arch: QwenImageConfig) -> None:
     _check_window(req, who)
     for name in ("prompt_emb", "negative_prompt_emb"):
         emb = getattr(req, name)
-        if emb is not None and (emb.dim() != 2 or emb.shape[1] != arch.joint_attention_dim):
-            raise ValueError(f"{who}: {name} has shape {tuple(emb.shape)}; expected [T, {arch.joint_attention_dim}]")
+        if emb is not None and (emb.dim() != 2 or emb.shape[1] != text_dim):
+            raise ValueError(f"{who}: {name} has shape {tuple(emb.shape)}; expected [T, {text_dim}]")
 
 
 def _check_window(req: Request, who: str) -> None:
@@ -151,12 +150,13 @@ class _WeightStager:
     a fused QKV rule buffers its q / k / v (any order) only until its last part arrives."""
 
     def __init__(self, rules: list[Rule], params: dict[str, torch.nn.Parameter], heads: int, tp_rank: int,
-                 tp_size: int):
+                 tp_size: int, model_name: str = "model"):
         self.by_hf = {h: r for r in rules for h in r.hf}
         glob = {r.mcore: tuple(s * (tp_size if d == r.tp_dim else 1) for d, s in enumerate(params[r.mcore].shape))
                 for r in rules}
         self.hf_shape = hf_shapes(rules, glob)
         self.params, self.heads, self.tp_rank, self.tp_size = params, heads, tp_rank, tp_size
+        self.model_name = model_name
         self.waiting: dict[str, dict[str, torch.Tensor]] = {}  # mcore name -> parts received so far
         self.staged: dict[str, torch.Tensor] = {}
         self.seen: set[str] = set()
@@ -164,7 +164,7 @@ class _WeightStager:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         rule = self.by_hf.get(name)
         if rule is None:
-            raise ValueError(f"load_weights: tensor {name!r} is not a parameter of this QwenImageTransformer2DModel")
+            raise ValueError(f"load_weights: tensor {name!r} is not a parameter of this {self.model_name}")
         if name in self.seen:
             raise ValueError(f"load_weights: tensor {name!r} was given twice")
         if tuple(tensor.shape) != self.hf_shape[name] or not tensor.is_floating_point():
@@ -190,17 +190,16 @@ class _WeightStager:
 
 
 class EmbeddedEngine:
-    """In-process rollout engine on a ``QwenImageModel`` (TP=1 by default; at TP > 1 every rank of the
-    group must call ``generate`` with the same requests).  The model runs in eval mode under
-    ``torch.no_grad``; sampler math is float32 whatever the model dtype."""
+    """In-process rollout engine on any family's denoiser (``model_specs.family``: the family of ``arch``), TP=1
+    by default; at TP > 1 every rank of the group must call ``generate`` with the same requests.  The model runs
+    in eval mode under ``torch.no_grad``; sampler math is float32 whatever the model dtype."""
 
-    def __init__(self, model: torch.nn.Module, arch: QwenImageConfig, encode_prompts: EncodeFn | None = None,
+    def __init__(self, model: torch.nn.Module, arch, encode_prompts: EncodeFn | None = None,
                  config: EngineConfig | None = None, tp_rank: int = 0, tp_size: int = 1):
         self.config = config or EngineConfig()
         self.config.check_engine()
-        if arch.out_features != arch.in_channels:
-            raise ValueError(f"the model predicts {arch.out_features} channels per token but takes "
-                             f"{arch.in_channels}; a velocity must have the latent's shape")
+        self.family: ModelFamily = family_of(arch)
+        self.channels, self.text_dim = self.family.latent_channels(arch), self.family.text_dim(arch)
         self.model, self.arch, self.encode_prompts = model.eval(), arch, encode_prompts
         self.fused = fuse_inference(model) if self.config.fuse else 0
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -287,7 +286,7 @@ class EmbeddedEngine:
     # ---- text ------------------------------------------------------------------------------------
     def _prepare(self, requests: Sequence[Request]) -> list[_Prepared]:
         for r in requests:
-            check_request(r, self.arch)
+            check_request(r, self.text_dim)
         needed = [r.prompt for r in requests if r.prompt_emb is None]
         needed += [r.negative_prompt for r in requests if r.cfg and r.negative_prompt_emb is None]
         self._encode_missing(list(dict.fromkeys(t for t in needed if t not in self._prompt_cache)))
@@ -299,7 +298,7 @@ class EmbeddedEngine:
         if self.encode_prompts is None:
             raise ValueError(f"prompt {texts[0]!r} has no embeddings and the engine has no encode_prompts")
         emb_NTE, mask_NT = self.encode_prompts(texts)
-        e = self.arch.joint_attention_dim
+        e = self.text_dim
         if emb_NTE.dim() != 3 or emb_NTE.shape[0] != len(texts) or emb_NTE.shape[2] != e \
                 or tuple(mask_NT.shape) != tuple(emb_NTE.shape[:2]):
             raise ValueError(f"encode_prompts gave emb {tuple(emb_NTE.shape)}, mask {tuple(mask_NT.shape)} for "
@@ -336,7 +335,7 @@ class EmbeddedEngine:
             sigmas_N1 = sigmas(r0.num_steps, r0.shift)
             gens = [torch.Generator().manual_seed(p.request.seed) for p in items]
             windows = [_trained_steps(p.request, g) for p, g in zip(items, gens)]
-            shape_X = (r0.img_fhw[0] * r0.img_fhw[1] * r0.img_fhw[2], self.arch.in_channels)
+            shape_X = (r0.img_fhw[0] * r0.img_fhw[1] * r0.img_fhw[2], self.channels)
             x_BX = torch.stack([torch.randn(shape_X, generator=g) for g in gens]).to(self._device)
             trained_BN = torch.stack([mask for mask, _ in windows])
             sig_dev = sigmas_N1.to(self._device)
@@ -368,15 +367,12 @@ class EmbeddedEngine:
         else:
             forwards = [(txt, mask, 1) for txt, mask in branches]
 
-        # every row of a step is at sigmas[i]: the blocks' adaLN modulations for all steps at once (the weights
-        # are read once per batch, not once per step; conditioning.ModulationTable)
-        table = self.model.modulation_table(sigmas_N1[:-1])
-        steps = [table.step(i) for i in range(len(sigmas_N1) - 1)]
+        steps = self.family.step_inputs(self.model, sigmas_N1[:-1])  # per-step conditioning, once per batch
 
         def velocity(x_BX: torch.Tensor, i: int) -> torch.Tensor:
             x = x_BX.to(self._dtype)
             outs = [self.model(torch.cat([x] * rows) if rows > 1 else x, txt, sigmas_N1[i].expand(rows * x.shape[0]),
-                               r0.img_fhw, mask, modulation=steps[i]) for txt, mask, rows in forwards]
+                               r0.img_fhw, mask, **steps[i]) for txt, mask, rows in forwards]
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if not r0.cfg:
                 return out.float()
@@ -402,8 +398,9 @@ class EmbeddedEngine:
         if load_into is not None:
             return load_into(self)
         params = base_parameters(self.model)
-        rules = qwen_image_rules(self.arch)
-        stager = _WeightStager(rules, params, self.arch.num_attention_heads, self.tp_rank, self.tp_size)
+        rules = self.family.rules(self.arch)
+        stager = _WeightStager(rules, params, self.family.num_heads(self.arch), self.tp_rank, self.tp_size,
+                               self.family.transformer_class)
         for name, tensor in weights:
             stager.add(name, tensor)
         staged = stager.finish()
@@ -416,9 +413,9 @@ class EmbeddedEngine:
         """Per HF name: (the view of this rank's parameter that tensor fills, a function giving the matching
         view of the whole HF tensor); per fused QKV also under the tuple of its three names, for q, k, v
         stacked.  See ``checkpoints_convert.mapping.hf_views``.  Copy under ``writing_weights``."""
-        params, heads = base_parameters(self.model), self.arch.num_attention_heads
+        params, heads = base_parameters(self.model), self.family.num_heads(self.arch)
         out = {}
-        for rule in qwen_image_rules(self.arch):
+        for rule in self.family.rules(self.arch):
             out.update(hf_views(rule, params[rule.mcore].data, heads, self.tp_rank, self.tp_size))
         return out
 

@@ -1,6 +1,6 @@
 """One sampling step x_t -> x_t' of a rectified flow, with the step's Gaussian (mean, std) and log-prob.
 
-The formulas are ALGORITHMS.md's, and all arithmetic is float32 whatever the model dtype (bf16
+The formulas are docs/algorithms.md's, and all arithmetic is float32 whatever the model dtype (bf16
 overflows the SDE mean).  Each kind has a ``*_mean_std`` function so that the trainer recomputes
 log-probs of stored steps with exactly the rollout's math: ``log_prob(x_next, *step_mean_std(...))``.
 

@@ -1,6 +1,6 @@
 """Timestep schedules of a rollout: the rectified-flow sigmas and which steps are trained (SDE window).
 
-Rectified flow (ALGORITHMS.md): x_t = (1 - t)·x0 + t·ε with t = σ ∈ [0, 1]; t = 1 is pure noise.
+Rectified flow (docs/algorithms.md): x_t = (1 - t)·x0 + t·ε with t = σ ∈ [0, 1]; t = 1 is pure noise.
 Shape legend: N number of sampling steps; a schedule has N + 1 sigmas (both ends included).
 """
 from __future__ import annotations

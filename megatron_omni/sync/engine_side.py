@@ -25,7 +25,6 @@ import torch
 
 from checkpoints_convert.convert import hf_state_from_mcore
 from checkpoints_convert.mapping import hf_shapes
-from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.sync.broadcaster import Incoming
 from megatron_omni.sync.exporter import TensorMeta
 from megatron_omni.sync.stream import ALIGN, copy_groups, run_copies
@@ -65,7 +64,7 @@ def expected_shapes(engine, mode: str) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for m in lora_modules(model).values()
                 for name, t, dim in _global_adapters(m)}
     params = base_parameters(model)  # an engine with LoRA applied holds its base under .base
-    rules = qwen_image_rules(engine.arch)
+    rules = engine.family.rules(engine.arch)
     glob = {r.mcore: tuple(s * (engine.tp_size if d == r.tp_dim else 1) for d, s in enumerate(params[r.mcore].shape))
             for r in rules}
     return hf_shapes(rules, glob)
@@ -192,7 +191,7 @@ class _DirectPlan:
     """Per sent tensor, the view of the engine parameter it fills; per bucket, the fused copy's lists."""
 
     def __init__(self, engine, incoming: Incoming):
-        views, rules = engine.weight_views(), qwen_image_rules(engine.arch)
+        views, rules = engine.weight_views(), engine.family.rules(engine.arch)
         sent = [e.meta.name for plan in incoming.plans for e in plan.entries]
         if len(set(sent)) != len(sent):
             raise ValueError(f"tensor {next(n for i, n in enumerate(sent) if n in sent[:i])!r} was sent twice")

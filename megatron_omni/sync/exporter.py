@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoints_convert.mapping import Rule, hf_shapes, to_hf
-from checkpoints_convert.qwen_image import BLOCK_RULES, GLOBAL_RULES
+from model_specs.family import family_of
 from model_specs.common.lora import lora_modules, target_name
 
 MODES = ("full", "merged", "lora")
@@ -70,7 +70,8 @@ class HFExporter:
         self.module, self.arch, self.mode, self.bucket_bytes = module, module.arch, mode, bucket_bytes
         self.tp_group = tp_group
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-        self.heads = self.arch.num_attention_heads
+        self.family = family_of(self.arch)
+        self.heads = self.family.num_heads(self.arch)
         self.lora = lora_modules(module)
         if mode == "lora" and not self.lora:
             raise ValueError("export mode 'lora' needs a model with LoRA adapters (model_specs.common.lora.apply_lora)")
@@ -86,16 +87,17 @@ class HFExporter:
 
     # ---- what is exported ----------------------------------------------------------------------
     def _rule_items(self, pp_group) -> list[_Item]:
-        local_globals = [r.mcore for r in GLOBAL_RULES if r.mcore in self.local]
+        global_rules, block_rules = self.family.global_rules(), self.family.block_rules()
+        local_globals = [r.mcore for r in global_rules if r.mcore in self.local]
         owned = set(local_globals)
         if pp_group is not None and dist.get_world_size(pp_group) > 1:
             held = [None] * dist.get_world_size(pp_group)
             dist.all_gather_object(held, local_globals, group=pp_group)
             earlier = {n for names in held[:dist.get_rank(pp_group)] for n in names}
             owned -= earlier
-        items = [_Item(r.mcore, r, None, r.tp_dim) for r in GLOBAL_RULES if r.mcore in owned]
+        items = [_Item(r.mcore, r, None, r.tp_dim) for r in global_rules if r.mcore in owned]
         for i in sorted(int(name) for name, _ in self.module.blocks.named_children()):
-            items += [_Item(rule.mcore, rule, None, rule.tp_dim) for rule in (r.expand(i) for r in BLOCK_RULES)]
+            items += [_Item(rule.mcore, rule, None, rule.tp_dim) for rule in (r.expand(i) for r in block_rules)]
         return items
 
     def _adapter_items(self) -> list[_Item]:

@@ -1,7 +1,8 @@
 """Training checkpoints: model + megatron-core optimizer + loop state, written atomically.
 
-Layout: ``<root>/step_000010/`` (a megatron-core distributed checkpoint) and ``<root>/latest`` (text:
-the newest complete step).  A checkpoint is written under ``.step_000010.partial`` and renamed only
+Layout: ``<root>/step_000010/`` (a megatron-core distributed checkpoint, plus ``run_config.yaml``: the resolved
+run config that trained it, so that ``megatron-omni export`` / ``generate --checkpoint`` can rebuild the model) and
+``<root>/latest`` (text: the newest complete step).  A checkpoint is written under ``.step_000010.partial`` and renamed only
 when complete, and ``latest`` is replaced atomically after that, so a crash at any moment leaves the
 previous checkpoint intact and resumable.
 
@@ -23,8 +24,8 @@ from megatron_omni.parallel.cpu_compat import apply_cpu_compat, cuda_factories_o
 
 
 class Checkpointer:
-    def __init__(self, root: str | os.PathLike, keep: int = 2):
-        self.root, self.keep = Path(root), keep
+    def __init__(self, root: str | os.PathLike, keep: int = 2, run_config: str | None = None):
+        self.root, self.keep, self.run_config = Path(root), keep, run_config
 
     def latest_step(self) -> int | None:
         latest = self.root / "latest"
@@ -53,6 +54,8 @@ class Checkpointer:
             dist_checkpointing.save(state, str(partial))
         _barrier()
         if rank0:
+            if self.run_config is not None:  # beside megatron's files (its save wants an empty folder)
+                (partial / RUN_CONFIG).write_text(self.run_config)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             tmp = self.root / "latest.tmp"
@@ -79,6 +82,9 @@ class Checkpointer:
         for old in steps[: max(0, len(steps) - self.keep)]:
             if old != newest:
                 shutil.rmtree(self.root / _name(old), ignore_errors=True)
+
+
+RUN_CONFIG = "run_config.yaml"
 
 
 def _name(step: int) -> str:

@@ -3,7 +3,7 @@
     for step in steps:
         trajectories = engine.generate(requests(step))       # G samples per prompt, SDE steps keep log-probs
         rewards      = reward_pool.submit(decode(...))        # scored in threads while the trainer ...
-        consistency  = recompute_log_probs(some trajectories) # ... re-scores rollout log-probs (decision 6)
+        consistency  = recompute_log_probs(some trajectories) # ... re-scores rollout log-probs (docs/design.md, decision 6)
         advantages   = group_advantages(rewards.result())
         train on (sample, trained step) micro-batches inside megatron-core's forward_backward_func
                                                               # (true CFG: the first optimizer step and the
@@ -30,9 +30,9 @@ import torch
 from checkpoints_convert.convert import mcore_state_from_hf
 from checkpoints_convert.hf_folder import HFFolder
 from checkpoints_convert.mcore_checkpoint import load_model
-from checkpoints_convert.qwen_image import qwen_image_rules
-from megatron_omni.algorithms import FlowGRPOLossConfig, flow_grpo_forward_step, group_advantages
+from megatron_omni.algorithms import flow_grpo_forward_step, group_advantages
 from megatron_omni.compile import compile_blocks
+from megatron_omni.config import config_to_yaml
 from megatron_omni.config.schema import RunConfig
 from megatron_omni.data.text_layout import padded_length
 from megatron_omni.data.tasks import Task
@@ -46,8 +46,6 @@ from megatron_omni.trainer.microbatches import grpo_microbatches, without_reused
 from megatron_omni.trainer.mfu import device_peak_flops, forward_flops, lora_forward_flops, varlen_step_flops
 from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
-from model_specs.qwen_image.model import QwenImageModel
-from model_specs.qwen_image.spec import qwen_image_block_spec
 
 @dataclass
 class FlowGRPORun:
@@ -83,7 +81,8 @@ def make_requests(cfg: RunConfig, task: Task, step: int) -> list[Request]:
                     img_fhw=task.img_fhw, num_steps=r.num_steps, shift=r.shift, sampler=r.sampler,
                     noise_level=r.noise_level, log_prob_form=r.log_prob_form, window_size=r.window_size,
                     window_range=r.window_range,
-                    guidance_scale=r.guidance_scale, keep_uncond_velocity=reuses_uncond(cfg))
+                    guidance_scale=r.guidance_scale, cfg_rescale=cfg.model.family_impl.guidance_rescale,
+                    keep_uncond_velocity=reuses_uncond(cfg))
             for k, p in enumerate(picks) for i in range(r.group_size)]
 
 
@@ -133,17 +132,17 @@ def _exporter(run: "FlowGRPORun", mode: str, bucket: int) -> HFExporter:
     return run.exporters[mode, bucket]
 
 
-def _apply_lora(module: QwenImageModel, cfg: RunConfig) -> None:
-    apply_lora(module, cfg.lora.rank, cfg.lora.alpha or cfg.lora.rank, cfg.lora.targets,
-               qwen_image_rules(module.arch), seed=cfg.train.seed)
+def _apply_lora(module: torch.nn.Module, cfg: RunConfig) -> None:
+    apply_lora(module, cfg.lora.rank, cfg.lora.alpha or cfg.lora.rank, cfg.lora_targets,
+               cfg.model.family_impl.rules(module.arch), seed=cfg.train.seed)
 
 
 def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
     """The rollout engine of the run: in this process, or engine process(es) driven by trainer rank 0."""
     if cfg.sync.engine_placement == "in_process":
-        arch, dtype = cfg.model.arch, cfg.model.torch_dtype
-        model = QwenImageModel(arch, arch.transformer_config(1, params_dtype=dtype, perform_initialization=False),
-                               state.tp_group, qwen_image_block_spec(cfg.model.backend)).to(state.torch_device)
+        family, arch, dtype = cfg.model.family_impl, cfg.model.arch, cfg.model.torch_dtype
+        config = family.transformer_config(arch, 1, params_dtype=dtype, perform_initialization=False)
+        model = family.build(arch, config, state.tp_group, cfg.model.backend).to(state.torch_device)
         if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync, the base once
             _apply_lora(model, cfg)
         if cfg.rollout.compile:
@@ -177,7 +176,7 @@ def engine_process(cfg: RunConfig, trainer_world: int, index: int) -> EmbeddedEn
 
 def _initial_weights(cfg: RunConfig, state: ParallelState):
     """``prepare`` hook of build_policy: load the configured weights, then attach LoRA adapters."""
-    def prepare(module: QwenImageModel) -> None:
+    def prepare(module: torch.nn.Module) -> None:
         if cfg.model.mcore_path:
             load_model(module, cfg.model.mcore_path)
         elif cfg.model.hf_path:
@@ -198,7 +197,7 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     loss_config = cfg.algorithm.loss_config()
     # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not
     forward_step = flow_grpo_forward_step(loss_config, reference=reference_policy(cfg, policy))
-    checkpointer = Checkpointer(run_dir / "checkpoints")
+    checkpointer = Checkpointer(run_dir / "checkpoints", run_config=config_to_yaml(cfg))
     start = 0
     if resume and checkpointer.latest_step() is not None:
         start = checkpointer.load(policy.model, policy.optimizer)["step"] + 1
@@ -229,15 +228,15 @@ def reference_policy(cfg: RunConfig, policy: Policy):
     if cfg.lora.rank > 0:
         return disable_adapters
     module = policy.module
-    frozen = QwenImageModel(module.arch, module.config, policy.state.tp_group,
-                            qwen_image_block_spec(cfg.model.backend)).to(policy.state.torch_device)
+    frozen = cfg.model.family_impl.build(module.arch, module.config, policy.state.tp_group,
+                                         cfg.model.backend).to(policy.state.torch_device)
     frozen.load_state_dict(module.state_dict())
     frozen.requires_grad_(False).eval()
     return lambda _model: contextlib.nullcontext(frozen)
 
 
 def logprob_consistency(run: FlowGRPORun, trajs: list[Trajectory], text) -> dict[str, float]:
-    """Decision 6: the trainer re-scores the rollout's trained steps; mean |Δ log p| and Pearson r.  It runs
+    """docs/design.md, decision 6: the trainer re-scores the rollout's trained steps; mean |Δ log p| and Pearson r.  It runs
     before any update of this RL step, so the rollout's uncond outputs stand in for the uncond rows."""
     mbs = grpo_microbatches(trajs, torch.zeros(len(trajs)), text, run.cfg.train.micro_batch_size,
                             reuse_uncond=reuses_uncond(run.cfg),
@@ -351,7 +350,7 @@ def _utilisation(cfg: RunConfig, task: Task, trajs: list[Trajectory], seconds: f
 
     def per_row(n: int) -> tuple[float, float]:
         return (forward_flops(arch, 1, image_tokens, n),
-                lora_forward_flops(arch, cfg.lora.rank, cfg.lora.targets, 1, image_tokens, n))
+                lora_forward_flops(arch, cfg.lora.rank, cfg.lora_targets, 1, image_tokens, n))
 
     with_cfg = cfg.rollout.guidance_scale > 1
     samples = [(length(t.request.prompt), length(t.request.negative_prompt) if with_cfg else None,

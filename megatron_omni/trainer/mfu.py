@@ -4,8 +4,8 @@ The peak is the measured bf16 matrix rate of the device (docs/benchmarks.md: 792
 H100 has the same tensor cores).  Where no peak is known (CPUs, other GPUs, fp32 runs) only the
 achieved TFLOP/s is reported.
 
-FLOPs come from one counter per model family (``model_specs/<family>/flops.py``), looked up by the
-family's architecture config (``forward_flops``).  A step's FLOPs count the work the algorithm needs,
+FLOPs come from the model family of the architecture config (``model_specs.family``: each family counts its
+own, ``model_specs/<family>/flops.py``).  A step's FLOPs count the work the algorithm needs,
 so that the MFU of two implementations compares their speed: a trained row is a forward plus a backward
 that computes activation gradients (about one forward) and weight gradients (another, skipped for a
 frozen base under LoRA); the uncond branch of true CFG needs a forward and no backward, and none at all
@@ -20,16 +20,9 @@ from typing import Callable
 
 import torch
 
-from model_specs.qwen_image.config import QwenImageConfig
-from model_specs.qwen_image.flops import forward_flops as qwen_image_forward_flops
-from model_specs.qwen_image.flops import lora_forward_flops as qwen_image_lora_flops
+from model_specs.family import family_of
 
 MEASURED_BF16_PEAK = {"H200": 792e12, "H100": 792e12}
-
-# family config class -> forward FLOPs (arch, batch, image_tokens, text_tokens)
-FORWARD_FLOPS: dict[type, Callable[..., float]] = {QwenImageConfig: qwen_image_forward_flops}
-# family config class -> LoRA adapters' forward FLOPs (arch, rank, targets, batch, image_tokens, text_tokens)
-LORA_FLOPS: dict[type, Callable[..., float]] = {QwenImageConfig: qwen_image_lora_flops}
 
 
 def device_peak_flops(dtype: torch.dtype) -> float | None:
@@ -39,24 +32,16 @@ def device_peak_flops(dtype: torch.dtype) -> float | None:
     return next((peak for key, peak in MEASURED_BF16_PEAK.items() if key in name), None)
 
 
-def _counter(table: dict[type, Callable[..., float]], table_name: str, arch) -> Callable[..., float]:
-    counter = table.get(type(arch))
-    if counter is None:
-        raise ValueError(f"no FLOP counter for {type(arch).__name__}; expected one of "
-                         f"{[c.__name__ for c in table]} (register it in {table_name})")
-    return counter
-
-
 def forward_flops(arch, batch: int, image_tokens: int, text_tokens: int) -> float:
     """FLOPs of one forward of ``arch``'s model family over ``batch`` rows."""
-    return _counter(FORWARD_FLOPS, "FORWARD_FLOPS", arch)(arch, batch, image_tokens, text_tokens)
+    return family_of(arch).forward_flops(arch, batch, image_tokens, text_tokens)
 
 
 def lora_forward_flops(arch, rank: int, targets, batch: int, image_tokens: int, text_tokens: int) -> float:
     """FLOPs of the LoRA adapters (rank ``rank`` on ``targets``) in one forward over ``batch`` rows; 0 without."""
     if rank <= 0:
         return 0.0
-    return _counter(LORA_FLOPS, "LORA_FLOPS", arch)(arch, rank, targets, batch, image_tokens, text_tokens)
+    return family_of(arch).lora_forward_flops(arch, rank, targets, batch, image_tokens, text_tokens)
 
 
 def _backward_forwards(frozen_base: bool) -> int:

@@ -16,9 +16,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from model_specs.qwen_image.config import QwenImageConfig
-from model_specs.qwen_image.model import QwenImageModel
-from model_specs.qwen_image.spec import qwen_image_block_spec
+from model_specs.family import family_of
 from megatron_omni.compile import compile_blocks
 from megatron_omni.parallel.cpu_compat import cuda_factories_on_cpu
 from megatron_omni.parallel.mcore_fallbacks import use_fast_fallbacks
@@ -29,11 +27,11 @@ from megatron_omni.trainer.grad_flush import GradFlush, batchable, mark_for_flus
 
 @dataclass
 class Policy:
-    module: QwenImageModel  # the bare model of the first chunk (rollout export, LoRA, reference passes)
+    module: torch.nn.Module  # the bare model of the first chunk (rollout export, LoRA, reference passes)
     model: DistributedDataParallel  # the first chunk as the schedule runs it
     optimizer: Any  # megatron-core MegatronOptimizer
     state: ParallelState
-    modules: list[QwenImageModel] = field(default_factory=list)  # every chunk of this rank, in order
+    modules: list[torch.nn.Module] = field(default_factory=list)  # every chunk of this rank, in order
     models: list[DistributedDataParallel] = field(default_factory=list)
     grad_flush: GradFlush | None = None  # the adds into main_grad, batched (megatron_omni.trainer.grad_flush)
 
@@ -42,10 +40,10 @@ class Policy:
         return self.state.pp_rank == self.state.pp - 1
 
 
-def policy_transformer_config(arch: QwenImageConfig, state: ParallelState, dtype: torch.dtype):
+def policy_transformer_config(arch, state: ParallelState, dtype: torch.dtype):
     """The TransformerConfig of a policy at ``state``'s TP x CP x PP (x VPP) layout."""
-    config = arch.transformer_config(
-        state.tp, params_dtype=dtype, context_parallel_size=state.cp, pipeline_model_parallel_size=state.pp,
+    config = family_of(arch).transformer_config(
+        arch, state.tp, params_dtype=dtype, context_parallel_size=state.cp, pipeline_model_parallel_size=state.pp,
         virtual_pipeline_model_parallel_size=state.vpp, pipeline_dtype=dtype,
         # stage boundaries carry [S_T + S_I/cp, B, H] with S_T and B varying (CFG doubles B), so shapes
         # travel with the tensors; megatron-core 0.19.2 wants the alltoall dispatcher for that, MoE or not
@@ -58,21 +56,20 @@ def policy_transformer_config(arch: QwenImageConfig, state: ParallelState, dtype
     return config
 
 
-def build_chunks(arch: QwenImageConfig, state: ParallelState, config, backend: str = "local",
-                 layout: Sequence[int] | None = None) -> list[QwenImageModel]:
-    """This rank's model chunks (one per virtual stage), blocks named by global index."""
-    vpp = state.vpp or 1
-    spec = qwen_image_block_spec(backend, context_parallel=state.cp > 1)
-    return [QwenImageModel(arch, config, state.tp_group, spec, cp_groups=state.cp_groups,
-                           pre_process=state.pp_rank == 0 and v == 0,
-                           post_process=state.pp_rank == state.pp - 1 and v == vpp - 1,
-                           layers=stage_layers(arch.num_layers, state.pp, state.pp_rank, state.vpp, v, layout))
+def build_chunks(arch, state: ParallelState, config, backend: str = "local",
+                 layout: Sequence[int] | None = None) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual stage) of ``arch``'s family, blocks named by global index."""
+    vpp, family = state.vpp or 1, family_of(arch)
+    return [family.build(arch, config, state.tp_group, backend, cp_groups=state.cp_groups,
+                         pre_process=state.pp_rank == 0 and v == 0,
+                         post_process=state.pp_rank == state.pp - 1 and v == vpp - 1,
+                         layers=stage_layers(family.num_blocks(arch), state.pp, state.pp_rank, state.vpp, v, layout))
             for v in range(vpp)]
 
 
-def build_policy(arch: QwenImageConfig, state: ParallelState, *, lr: float, weight_decay: float = 0.0,
+def build_policy(arch, state: ParallelState, *, lr: float, weight_decay: float = 0.0,
                  clip_grad: float = 1.0, dtype: torch.dtype = torch.float32, backend: str = "local",
-                 prepare: Callable[[QwenImageModel], None] | None = None,
+                 prepare: Callable[[torch.nn.Module], None] | None = None,
                  layout: Sequence[int] | None = None, batched_grads: bool | None = None) -> Policy:
     """``prepare(module)`` runs on every chunk before DDP wraps it: load weights, attach LoRA, freeze
     params.  ``layout``: blocks per pipeline chunk (default: an even split).  ``batched_grads``: accumulate the

@@ -7,14 +7,14 @@ from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
 
 def check_task_fits(cfg: RunConfig, task: Task) -> None:
-    arch = cfg.model.arch
-    if (arch.in_channels, arch.out_features) != (task.latent_channels, task.latent_channels):
-        raise ValueError(f"task {task.name!r} has {task.latent_channels} packed latent channels; the model takes "
-                         f"model.arch.in_channels={arch.in_channels} and predicts patch_size^2*out_channels="
-                         f"{arch.out_features}: expected both {task.latent_channels}")
-    if arch.joint_attention_dim != task.text_dim:
-        raise ValueError(f"task {task.name!r} encodes prompts to width {task.text_dim}; expected "
-                         f"model.arch.joint_attention_dim={arch.joint_attention_dim} to match")
+    family, arch = cfg.model.family_impl, cfg.model.arch
+    channels = family.latent_channels(arch)
+    if channels != task.latent_channels:
+        raise ValueError(f"task {task.name!r} has {task.latent_channels} packed latent channels; the model "
+                         f"(model.arch) takes and predicts {channels}: expected {task.latent_channels}")
+    if family.text_dim(arch) != task.text_dim:
+        raise ValueError(f"task {task.name!r} encodes prompts to width {task.text_dim}; the model (model.arch) takes "
+                         f"text of width {family.text_dim(arch)}: expected them to match")
 
 
 def check_loop_layout(cfg: RunConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -17,6 +17,8 @@ DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 
 @dataclass
 class QwenImageConfig:
+    FAMILY: ClassVar[str] = "qwen_image"  # model_specs.family: the ModelFamily this arch belongs to
+
     patch_size: int = 2
     in_channels: int = 64  # 2x2-packed latent channels (16 VAE channels x 4)
     out_channels: int = 16
