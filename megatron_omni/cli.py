@@ -19,7 +19,7 @@ PROG = "megatron-omni"
 EXIT_USAGE = 2  # argparse's code for a command line that cannot run: bad config, command not built yet
 
 # subcommand -> module whose main(argv) -> int receives the rest of the command line
-FORWARDED = {"convert": "checkpoints_convert.cli", "demo": "megatron_omni.demo"}
+FORWARDED = {"convert": "checkpoints_convert.cli", "demo": "megatron_omni.demo", "export": "megatron_omni.export"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("convert", add_help=False, help="convert checkpoints HF diffusers <-> megatron-core "
                    "(hf-to-mcore --hf DIR --out DIR --tp N [--pp N] | mcore-to-hf --mcore DIR --out DIR)")
     sub.add_parser("demo", add_help=False, help="run the demo job (tiny Qwen-Image on this machine)")
+    sub.add_parser("export", add_help=False, help="export a training checkpoint for diffusers "
+                   "(--checkpoint DIR --out DIR [--merged] [--step N]: a LoRA folder, or a merged transformer folder)")
     for name, what in (("generate", "sample images from a checkpoint"),
                        ("bench", "measure rollout and training throughput")):
         p = sub.add_parser(name, help=f"{what} (not built yet)",
