@@ -17,12 +17,13 @@ import torch
 
 from _flow_grpo_parts import NEGATIVE, EndToEnd, PhaseTimer, Recipe, encode_step, synchronize
 from checkpoints_convert.qwen_image import qwen_image_rules
-from megatron_omni.algorithms import FlowGRPOLossConfig, flow_grpo_forward_step, group_advantages
+from megatron_omni.algorithms.advantages import group_advantages
+from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig, flow_grpo_forward_step
 from megatron_omni.compile import compile_blocks
 from megatron_omni.parallel.state import ParallelState
 from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request
 from megatron_omni.sync import HFExporter, push_weights
-from megatron_omni.trainer.microbatches import grpo_microbatches
+from megatron_omni.algorithms.flow_grpo.microbatches import grpo_microbatches
 from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, base_parameters, target_name
 from model_specs.qwen_image.model import QwenImageModel

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from _flow_grpo_parts import PhaseTimer, Recipe, default_dtype, synchronize
-from megatron_omni.algorithms import FlowGRPOLossConfig, flow_grpo_loss, group_advantages
+from megatron_omni.algorithms.advantages import group_advantages
+from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig, flow_grpo_loss
 from megatron_omni.rollout.samplers import cfg_combine, gaussian_log_prob, ode_mean_std, sde_mean_std
 from megatron_omni.rollout.schedule import sde_window, sigmas
 from model_specs.common.lora import FLOW_GRPO_TARGETS

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import megatron_omni  # noqa: F401  (quiet upstream notices)
 from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig
-from megatron_omni.algorithms.flow_grpo_step import FlowGRPOMicroBatch, flow_grpo_forward_step
+from megatron_omni.algorithms.flow_grpo.step import FlowGRPOMicroBatch, flow_grpo_forward_step
 from megatron_omni.parallel.state import destroy_parallel, init_parallel
 from megatron_omni.trainer.policy import build_policy, compile_policy, run_microbatches
 from model_specs.qwen_image.config import QwenImageConfig, tiny_config

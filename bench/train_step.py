@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 import megatron_omni  # noqa: E402,F401  (quiet upstream notices)
 from _flow_grpo_parts import Recipe, free_device_memory, make_recipe, peak_gib, synchronize  # noqa: E402
-from megatron_omni.algorithms import FlowGRPOLossConfig, FlowGRPOMicroBatch, flow_grpo_forward_step  # noqa: E402
+from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig, FlowGRPOMicroBatch, flow_grpo_forward_step  # noqa: E402
 from megatron_omni.trainer.mfu import device_peak_flops, forward_flops, lora_forward_flops  # noqa: E402
 from model_specs.common.lora import FLOW_GRPO_TARGETS  # noqa: E402
 

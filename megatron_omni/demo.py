@@ -26,7 +26,8 @@ from megatron_omni.data.tasks import Task, build_task
 from megatron_omni.parallel.state import init_parallel
 from megatron_omni.rewards import build_reward
 from megatron_omni.rollout.engine import EmbeddedEngine, Request
-from megatron_omni.trainer.flow_grpo import export_hf, train
+from megatron_omni.trainer.build import export_hf
+from megatron_omni.trainer.loop import train
 from megatron_omni.trainer.policy import build_policy
 from megatron_omni.trainer.pretrain import pretrain
 

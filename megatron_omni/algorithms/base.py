@@ -33,6 +33,9 @@ class Algorithm:
     name: str = ""
     reference: str = "none"
 
+    def check_config(self, cfg) -> None:
+        """ValueError naming a setting of ``cfg.algorithm`` that cannot work (the run config validates with it)."""
+
     def record_spec(self, cfg) -> RecordSpec:
         return RecordSpec()
 

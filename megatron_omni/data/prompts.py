@@ -25,6 +25,12 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 from PIL import Image, UnidentifiedImageError
 
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """The seed of draw ``index`` of RL step ``step`` (-1: the step's prompt draw): a function of (seed, step,
+    index) only, so a resumed run draws exactly what an uninterrupted one would."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**63)
+
 _FIELDS = ("prompt", "negative_prompt", "seed", "metadata")  # every other JSONL field goes to metadata
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
                bool: "a boolean"}
@@ -142,10 +148,7 @@ class PromptDataset:
 
     def sample(self, step: int, seed: int, n: int) -> list[PromptRecord]:
         """The ``n`` records of RL step ``step``, drawn with replacement from (``seed``, ``step``) exactly as
-        ``megatron_omni.trainer.flow_grpo.make_requests`` draws a step's prompts from its task."""
-        # imported here: the trainer module loads megatron-core, which reading a prompt file does not need
-        from megatron_omni.trainer.flow_grpo import request_seed
-
+        FlowGRPO's ``requests`` draws a step's prompts from its task."""
         if n < 1:
             raise ValueError(f"n={n!r}: expected the number of prompts to draw, >= 1")
         g = torch.Generator().manual_seed(request_seed(seed, step, -1))

@@ -27,7 +27,7 @@ def check_loop_layout(cfg: RunConfig) -> None:
 
 
 def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
-    from megatron_omni.trainer.flow_grpo import train
+    from megatron_omni.trainer.loop import train
 
     check_loop_layout(cfg)
     state = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, seed=cfg.train.seed,

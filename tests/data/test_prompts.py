@@ -172,21 +172,24 @@ def test_split_settings_errors(kwargs, message):
 
 
 def test_sample_draws_like_the_rl_loop():
+    """The loop's prompt draw (FlowGRPO.requests uses sample): a generator seeded by (seed, step) only, so a resumed
+    run draws what an uninterrupted one would; pinned against the formula written out here."""
+    import torch
+
+    from megatron_omni.algorithms.flow_grpo import ALGORITHM
     from megatron_omni.config.recipes import get_recipe
     from megatron_omni.data.digits import GRID_FHW, prompt_for
-    from megatron_omni.trainer.flow_grpo import make_requests
 
     cfg = get_recipe("digits_flow_grpo")
     ds = PromptDataset.from_prompts([prompt_for(d) for d in range(10)])
-    task = SimpleNamespace(prompts=ds.prompts, img_fhw=GRID_FHW)  # what make_requests reads of a task
-    group = cfg.rollout.group_size
+    run = SimpleNamespace(cfg=cfg, task=SimpleNamespace(prompts=ds.prompts, img_fhw=GRID_FHW),
+                          family=cfg.model.family_impl)
+    n, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     for step in (0, 1, 17):
-        loop = [r.prompt for r in make_requests(cfg, task, step)][::group]
-        assert [r.prompt for r in ds.sample(step, cfg.train.seed, cfg.rollout.prompts_per_step)] == loop
-    assert [r.prompt for r in ds.sample(3, 5, 8)] == [r.prompt for r in ds.sample(3, 5, 8)]
-    assert [r.prompt for r in ds.sample(3, 5, 8)] != [r.prompt for r in ds.sample(4, 5, 8)]
-    with pytest.raises(ValueError, match=r"n=0: expected the number of prompts to draw, >= 1"):
-        ds.sample(0, 0, 0)
+        g = torch.Generator().manual_seed((cfg.train.seed * 1_000_003 + step * 10_007 - 1) % 2**63)
+        want = [ds.prompts[i] for i in torch.randint(0, 10, (n,), generator=g).tolist()]
+        assert [r.prompt for r in ds.sample(step, cfg.train.seed, n)] == want
+        assert [r.prompt for r in ALGORITHM.requests(run, step)][::group] == want
 
 
 def test_packaged_ocr_prompts_load_with_their_targets():

@@ -9,15 +9,20 @@ import torch
 
 from megatron_omni.config import load_config
 from megatron_omni.data.tasks import build_task
-from megatron_omni.sync import HFExporter, SyncError, engine_side, push_weights
-from megatron_omni.trainer import flow_grpo
-from megatron_omni.trainer.flow_grpo import train
+from megatron_omni.sync import HFExporter, SyncError, engine_side, updaters
+from megatron_omni.trainer.loop import train
 from model_specs.common.lora import peft_state_dict
 from tests.sync.workers import differing
 from tests.trainer.test_flow_grpo import TIMING, TINY
 
 LORA_RUN = TINY + ["train.steps=2", "lora.rank=4"]
 PROCESS = ["sync.engine_placement=process", "sync.bucket_mb=1", "sync.checksum=true", "sync.timeout_s=60"]
+
+
+def _on_send(mp, hook):
+    """Route every updater sync through ``hook(updater, exporter, send)``, ``send`` being the real one."""
+    for cls in (updaters.InProcessUpdater, updaters.EngineProcessUpdater):
+        mp.setattr(cls, "_send", lambda self, x, send=cls._send: hook(self, x, send))
 
 
 def _metrics(run_dir):
@@ -35,7 +40,7 @@ def runs(tmp_path_factory, single_rank):
         if name not in done:
             run_dir, modes = tmp_path_factory.mktemp(name), []
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(flow_grpo, "push_weights", lambda e, x, *a: modes.append(x.mode) or push_weights(e, x, *a))
+                _on_send(mp, lambda updater, x, send: modes.append(x.mode) or send(updater, x))
                 run, _ = train(load_config("digits_flow_grpo", None, LORA_RUN + overrides), single_rank, task, run_dir)
             done[name] = (run, _metrics(run_dir), modes)
         return done[name]
@@ -49,6 +54,7 @@ def test_merged_sync_with_an_engine_process_gives_the_in_process_run(runs):
     assert process == in_process  # bit for bit: the weights cross the gloo group unchanged
 
 
+@pytest.mark.numerics
 def test_lora_sync_sends_the_base_once_then_adapters_only(runs):
     run, lora, modes = runs("lora", ["sync.mode=lora"])
     assert modes == ["full", "lora", "lora", "lora"]  # the base once at the start, then the adapters each sync
@@ -90,12 +96,12 @@ def _dying_at(monkeypatch, calls: set[int]):
     """Sync number n (1-based) in ``calls`` loses its engine process midway."""
     count = [0]
 
-    def push(engines, exporter, *args):
+    def send(updater, exporter, real):
         count[0] += 1
         if count[0] in calls:
-            exporter = _KillsAnEngine(exporter, engines.engines.procs[0])
-        return push_weights(engines, exporter, *args)
-    monkeypatch.setattr(flow_grpo, "push_weights", push)
+            exporter = _KillsAnEngine(exporter, updater.engine.engines.procs[0])
+        return real(updater, exporter)
+    _on_send(monkeypatch, send)
 
 
 def test_engine_dying_mid_sync_is_restarted_and_the_run_goes_on(runs, monkeypatch, tmp_path, single_rank):

@@ -6,7 +6,7 @@ import torch
 
 from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig
-from megatron_omni.algorithms.flow_grpo_step import FlowGRPOMicroBatch, flow_grpo_forward_step
+from megatron_omni.algorithms.flow_grpo.step import FlowGRPOMicroBatch, flow_grpo_forward_step
 from megatron_omni.parallel.state import destroy_parallel, init_parallel
 from megatron_omni.parallel.testing import run_distributed
 from megatron_omni.trainer.grad_flush import GradFlush, batchable

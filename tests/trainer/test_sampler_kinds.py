@@ -5,7 +5,7 @@ import pytest
 
 from megatron_omni.config import load_config
 from megatron_omni.data.tasks import build_task
-from megatron_omni.trainer.flow_grpo import train
+from megatron_omni.trainer.loop import train
 
 pytestmark = pytest.mark.numerics
 

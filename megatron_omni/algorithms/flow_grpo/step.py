@@ -51,7 +51,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig, flow_grpo_loss
+from megatron_omni.algorithms.flow_grpo.loss import FlowGRPOLossConfig, flow_grpo_loss
 from megatron_omni.rollout.samplers import cfg_combine, check_kind, log_prob, step_mean_std
 
 # reference(model) -> context manager yielding the module that computes the reference policy's velocity,

@@ -18,7 +18,7 @@ import torch
 
 from dataclasses import replace
 
-from megatron_omni.algorithms import FlowGRPOMicroBatch
+from megatron_omni.algorithms.flow_grpo.step import FlowGRPOMicroBatch
 from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.engine import EngineConfig, Trajectory
 

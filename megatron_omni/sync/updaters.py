@@ -1,0 +1,69 @@
+"""Weight updaters: one object per transport, owning its exporters, its state and its retry.
+
+Protocol in one line: ``push()`` leaves the engines holding the policy's current weights (plan once → buckets →
+load → status) and returns the sync's stats; ``restarts`` counts the engine restarts that push needed.
+
+What each sync sends is ``sync.mode`` (resolved by the run config): full weights, LoRA merged into them, or the
+adapters only — then the trainer's base weights are sent whole first, once, while the engine lacks them (at the
+start and after an engine restart).  Exporters are built at their first sync and reused: items, plan and the
+source tensors are resolved once (the optimizer updates the parameters in place).
+"""
+from __future__ import annotations
+
+from megatron_omni.sync import engine_side
+from megatron_omni.sync.broadcaster import SyncError
+from megatron_omni.sync.exporter import HFExporter
+
+
+class _Updater:
+    def __init__(self, module, tp_group, engine, mode: str, bucket_bytes: int, checksum: bool):
+        self.module, self.tp_group, self.engine = module, tp_group, engine
+        self.mode, self.bucket_bytes, self.checksum = mode, bucket_bytes, checksum
+        self.exporters: dict[str, HFExporter] = {}
+        self.engine_has_base = False  # "lora": the engine holds the trainer's base weights
+        self.restarts = 0
+
+    def _exporter(self, mode: str) -> HFExporter:
+        if mode not in self.exporters:
+            self.exporters[mode] = HFExporter(self.module, self.tp_group, mode=mode, bucket_bytes=self.bucket_bytes)
+        return self.exporters[mode]
+
+    def _send(self, exporter: HFExporter) -> dict:
+        raise NotImplementedError
+
+    def _push_once(self) -> dict:
+        if self.mode == "lora" and not self.engine_has_base:
+            self._send(self._exporter("full"))
+            self.engine_has_base = True
+        return self._send(self._exporter(self.mode))
+
+    def push(self) -> dict:
+        self.restarts = 0
+        return self._push_once()
+
+
+class InProcessUpdater(_Updater):
+    """export → the in-process engine's receiver (no transport; every TP rank gathers and loads its own engine)."""
+
+    def _send(self, exporter: HFExporter) -> dict:
+        engine_side.load(self.engine, exporter.mode, exporter.tensors())
+        return {"tensors": len(exporter.plan())}
+
+
+class EngineProcessUpdater(_Updater):
+    """plan once → buckets over the sync group (``process``) or shared memory (``colocated``) → engines load →
+    status, driven by trainer rank 0 (``Rank0Engine``).  A failed sync (an engine died, the group broke) restarts
+    the engine processes once and sends the whole model again; a second failure in a row is raised."""
+
+    def _send(self, exporter: HFExporter) -> dict:
+        return self.engine.sync(exporter, self.bucket_bytes, self.checksum)
+
+    def push(self) -> dict:
+        self.restarts = 0
+        try:
+            return self._push_once()
+        except SyncError as e:
+            print(f"warning: weight sync failed, restarting the rollout engine processes and syncing again: {e}")
+            self.engine.restart()
+            self.engine_has_base, self.restarts = False, self.restarts + 1
+            return self._push_once()

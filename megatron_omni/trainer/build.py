@@ -1,0 +1,217 @@
+"""What a run is made of, built once: the policy, its rollout engine(s) and weight updater, the algorithm with its
+reference, rewards, checkpointer and logger (``build_run``); the loop (megatron_omni.trainer.loop) only calls them.
+
+Nothing here names a model family or an algorithm: both come from their registries (``model.family``,
+``algorithm.name``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from checkpoints_convert.convert import mcore_state_from_hf
+from checkpoints_convert.hf_folder import HFFolder
+from checkpoints_convert.mcore_checkpoint import load_model
+from megatron_omni.algorithms import get_algorithm
+from megatron_omni.compile import compile_blocks
+from megatron_omni.config import config_to_yaml
+from megatron_omni.config.schema import RunConfig
+from megatron_omni.data.tasks import Task
+from megatron_omni.logging import RunLogger
+from megatron_omni.parallel.state import ParallelState
+from megatron_omni.rewards import AsyncRewardPool, build_reward
+from megatron_omni.rollout.engine import EmbeddedEngine, Trajectory
+from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines
+from megatron_omni.sync.updaters import EngineProcessUpdater, InProcessUpdater
+from megatron_omni.trainer.checkpoint import Checkpointer
+from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
+from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
+
+TextTable = dict[str, tuple[torch.Tensor, torch.Tensor]]  # prompt -> (emb [T, E], mask [T])
+
+
+@dataclass
+class Run:
+    """Everything the loop holds between steps."""
+
+    cfg: RunConfig
+    task: Task
+    algorithm: Any  # megatron_omni.algorithms.base.Algorithm
+    policy: Policy
+    engine: EmbeddedEngine | Rank0Engine  # in this process, or engine processes (sync.engine_placement)
+    updater: InProcessUpdater | EngineProcessUpdater
+    rewards: AsyncRewardPool
+    checkpointer: Checkpointer
+    logger: RunLogger
+    forward_step: Callable  # megatron forward_step_func computing the algorithm's loss
+    text_cache: TextTable = field(default_factory=dict)
+
+    @property
+    def family(self):
+        return self.cfg.model.family_impl
+
+    def run_microbatches(self, microbatches: list, **kwargs):
+        """One pass of megatron's schedule over ``microbatches`` with the algorithm's forward step (then the
+        optimizer step unless ``forward_only``): megatron_omni.trainer.policy.run_microbatches."""
+        return run_microbatches(self.policy, self.forward_step, microbatches, **kwargs)
+
+    def rollout(self, requests: list) -> tuple[list[Trajectory], torch.Tensor, list]:
+        """Trajectories, decoded images and pending reward futures.  Two halves (whole groups each): the first is
+        scored in reward threads while the second is sampled, the second while the trainer checks log-probs."""
+        r = self.cfg.rollout
+        half = (r.prompts_per_step // 2 or r.prompts_per_step) * r.group_size
+        trajs, pending, images = [], [], []
+        for part in (requests[:half], requests[half:]):
+            if not part:
+                continue
+            part_trajs = self.engine.generate(part)
+            part_images = self.task.decode(torch.stack([t.final_sample for t in part_trajs]).cpu())
+            pending.append(self.rewards.submit(part_images, [t.request.prompt for t in part_trajs]))
+            trajs += part_trajs
+            images.append(part_images)
+        return trajs, torch.cat(images), pending
+
+    def text_for(self, trajs: list[Trajectory]) -> TextTable:
+        """Text embeddings of the trajectories' prompts (and negative prompts with CFG) for the trainer, encoded
+        once per prompt and cached."""
+        prompts = {t.request.prompt for t in trajs}
+        prompts |= {t.request.negative_prompt for t in trajs if t.request.cfg}
+        missing = sorted(prompts - self.text_cache.keys())
+        if missing:
+            emb, mask = self.task.encode(missing)
+            self.text_cache.update({p: (emb[i], mask[i]) for i, p in enumerate(missing)})
+        return {p: self.text_cache[p] for p in prompts}
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.logger.finish()
+        self.engine.close()  # engine processes stop; an in-process engine stops its submit() worker
+
+
+def scores_of(pending: list) -> dict[str, np.ndarray]:
+    """The reward workers' results, per reward name, in request order."""
+    parts = [p.result() for p in pending]
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+
+
+def export_hf(policy: Policy) -> list[tuple[str, torch.Tensor]]:
+    """The policy's weights under HF names (LoRA merged), gathered over TP: a collective, every TP rank
+    calls it.  Holds the whole model; the loop streams through its updater instead."""
+    exporter = HFExporter(policy.module, policy.state.tp_group, mode="merged" if lora_modules(policy.module) else "full")
+    return [(name, t.detach().clone()) for name, t in exporter.tensors()]
+
+
+def _apply_lora(module: torch.nn.Module, cfg: RunConfig) -> None:
+    apply_lora(module, cfg.lora.rank, cfg.lora.alpha or cfg.lora.rank, cfg.lora_targets,
+               cfg.model.family_impl.rules(module.arch), seed=cfg.train.seed)
+
+
+def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
+    """The rollout engine of the run: in this process, or engine process(es) driven by trainer rank 0."""
+    if cfg.sync.engine_placement == "in_process":
+        family, arch, dtype = cfg.model.family_impl, cfg.model.arch, cfg.model.torch_dtype
+        config = family.transformer_config(arch, 1, params_dtype=dtype, perform_initialization=False)
+        model = family.build(arch, config, state.tp_group, cfg.model.backend).to(state.torch_device)
+        if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync, the base once
+            _apply_lora(model, cfg)
+        if cfg.rollout.compile:
+            compile_blocks(model, cfg.rollout.compile)
+        return EmbeddedEngine(model, arch, task.encode, cfg.rollout)  # the rollout section is the engine's config
+    engines = None
+    if state.rank == 0:
+        s = cfg.sync
+        backend = s.backend if s.backend != "auto" else state.device.backend
+        engines = RemoteEngines.spawn(partial(engine_process, cfg, state.world_size), n=s.num_engines,
+                                      placement=s.engine_placement, backend=backend, timeout_s=s.timeout_s,
+                                      bucket_bytes=s.bucket_mb << 20, device=str(state.torch_device))
+    return Rank0Engine(engines)
+
+
+def engine_process(cfg: RunConfig, trainer_world: int, index: int) -> EmbeddedEngine:
+    """Factory run inside an engine process: a world of its own, the task's text encoder, a TP=1 model
+    (weights arrive by the first sync).  "process" engines on GPUs take the GPUs after the trainer's."""
+    import os
+
+    from megatron_omni.data.tasks import build_task
+    from megatron_omni.parallel.state import init_parallel
+
+    if cfg.sync.engine_placement == "process" and cfg.parallel.device != "cpu" and os.environ.get(
+            "CUDA_VISIBLE_DEVICES") != "":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(trainer_world + index)
+    state = init_parallel(seed=cfg.train.seed, device=cfg.parallel.device)
+    task = build_task(cfg.data.task, cfg.data.text_max_tokens)
+    return _build_engine(replace(cfg, sync=replace(cfg.sync, engine_placement="in_process")), state, task)
+
+
+def _updater(cfg: RunConfig, policy: Policy, engine):
+    s = cfg.sync
+    kind = InProcessUpdater if s.engine_placement == "in_process" else EngineProcessUpdater
+    return kind(policy.module, policy.state.tp_group, engine, s.resolved_mode(cfg.lora.rank), s.bucket_mb << 20,
+                s.checksum)
+
+
+def _initial_weights(cfg: RunConfig, state: ParallelState):
+    """``prepare`` hook of build_policy: load the configured weights, then attach LoRA adapters."""
+    def prepare(module: torch.nn.Module) -> None:
+        if cfg.model.mcore_path:
+            load_model(module, cfg.model.mcore_path)
+        elif cfg.model.hf_path:
+            folder = HFFolder(cfg.model.hf_path)
+            module.load_state_dict(mcore_state_from_hf(module.arch, folder.get, state.tp_rank, state.tp), strict=False)
+        if cfg.lora.rank > 0:
+            _apply_lora(module, cfg)
+    return prepare
+
+
+def reference_policy(cfg: RunConfig, policy: Policy, algorithm):
+    """The initial policy as a reference: the adapters switched off (LoRA), or a frozen copy of the initial
+    weights (full fine-tune); None when the algorithm needs none."""
+    if not algorithm.needs_reference(cfg):
+        return None
+    if cfg.lora.rank > 0:
+        return disable_adapters
+    module = policy.module
+    frozen = cfg.model.family_impl.build(module.arch, module.config, policy.state.tp_group,
+                                         cfg.model.backend).to(policy.state.torch_device)
+    frozen.load_state_dict(module.state_dict())
+    frozen.requires_grad_(False).eval()
+    return lambda _model: contextlib.nullcontext(frozen)
+
+
+def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, resume: bool) -> tuple[Run, int]:
+    """The run, its weights pushed to the engines once, and the step to start from."""
+    algorithm = get_algorithm(cfg.algorithm.name)
+    torch.manual_seed(cfg.train.seed)  # random init (no weights configured) is then a function of the seed
+    policy = build_policy(cfg.model.arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad,
+                          dtype=cfg.model.torch_dtype, backend=cfg.model.backend, prepare=_initial_weights(cfg, state))
+    if cfg.train.compile:
+        compile_policy(policy, cfg.train.compile)
+    # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not
+    forward_step = algorithm.forward_step(cfg, reference_policy(cfg, policy, algorithm))
+    checkpointer = Checkpointer(run_dir / "checkpoints", run_config=config_to_yaml(cfg))
+    start = 0
+    if resume and checkpointer.latest_step() is not None:
+        start = checkpointer.load(policy.model, policy.optimizer)["step"] + 1
+    engine = _build_engine(cfg, state, task)
+    fns = {"reward": build_reward(cfg.reward.name)}
+    if cfg.reward.judge:
+        fns["judge"] = build_reward(cfg.reward.judge)
+    logger = RunLogger(run_dir, cfg.train.steps, cfg.logging.wandb_mode, cfg.logging.project,
+                       config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns),
+                       log_every=cfg.logging.log_every)
+    run = Run(cfg, task, algorithm, policy, engine, _updater(cfg, policy, engine),
+              AsyncRewardPool(fns, num_workers=cfg.reward.workers), checkpointer, logger, forward_step)
+    run.updater.push()
+    return run, start
+
+
+def _plain_config(cfg: RunConfig) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))

@@ -1,0 +1,97 @@
+"""The RL loop: generate → score → train → update weights → log and save.  Every verb belongs to an object of the
+run (megatron_omni.trainer.build): the algorithm (megatron_omni.algorithms), the engine, the reward pool, the
+weight updater, the logger and the checkpointer.
+
+Every random draw is a function of (seed, step, index), so a run resumed from a checkpoint continues exactly as
+an uninterrupted one.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from megatron_omni.config.schema import RunConfig
+from megatron_omni.data.tasks import Task
+from megatron_omni.parallel.state import ParallelState
+from megatron_omni.trainer.build import Run, build_run, scores_of
+from megatron_omni.trainer.mfu import device_peak_flops
+
+
+class StepClock:
+    """Seconds per phase of one RL step, as ``<phase>_seconds`` metrics."""
+
+    def __init__(self):
+        self.start, self.seconds = time.perf_counter(), {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[f"{phase}_seconds"] = time.perf_counter() - t0
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def rl_step(run: Run, step: int) -> dict[str, Any]:
+    algo, clock = run.algorithm, StepClock()
+    with clock("rollout"):
+        trajs, images, pending = run.rollout(algo.requests(run, step))
+    with clock("reward"):
+        text = run.text_for(trajs)
+        check = algo.check(run, trajs, text)  # while the reward threads score the second half
+        scores = scores_of(pending)
+    warn_on_logprob_gap(run.cfg, step, check)
+    advantages = algo.advantages(run, trajs, scores["reward"])
+    with clock("train"):
+        trained = algo.train(run, trajs, advantages, text)
+    with clock("sync"):
+        run.updater.push()
+    seconds = clock.total()
+    metrics = {f"{k}_mean": float(v.mean()) for k, v in scores.items()}
+    metrics.update({f"{k}_std": float(v.std()) for k, v in scores.items()})
+    metrics.update(utilisation(run, algo.flops(run, trajs, text), seconds))
+    metrics.update(lr=run.cfg.train.lr, **trained, **check, **clock.seconds, step_seconds=seconds,
+                   images_per_second=len(trajs) / seconds, sync_restarts=run.updater.restarts)
+    return {"metrics": metrics, "images": images}
+
+
+def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path, resume: bool = False,
+          stop_after: int | None = None) -> tuple[Run, list[dict]]:
+    """Run (or resume) the loop; returns the run (its policy is the trained one) and the metrics of the steps run
+    here.  The last step is always checkpointed.  ``stop_after`` ends this call after that many steps without a
+    final checkpoint, as a killed process would (used to test resume)."""
+    run, start = build_run(cfg, state, task, Path(run_dir), resume)
+    done, last = [], cfg.train.steps - 1
+    try:
+        for step in range(start, cfg.train.steps):
+            result = rl_step(run, step)
+            run.logger.log_step(step, result["metrics"])
+            done.append({"step": step, **result["metrics"]})
+            if step % max(1, cfg.train.steps // 4) == 0 or step == last:
+                run.logger.log_images(step, result["images"][:64])
+            if stop_after is not None and len(done) >= stop_after:
+                break
+            if step == last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+                run.checkpointer.save(step, run.policy.model, run.policy.optimizer, {})
+    finally:
+        run.close()
+    return run, done
+
+
+def warn_on_logprob_gap(cfg: RunConfig, step: int, check: dict[str, float]) -> None:
+    gap = check.get("logprob_abs_diff")
+    if gap is not None and gap > cfg.algorithm.logprob_warn_abs:
+        print(f"warning: step {step}: rollout and trainer log-probs differ by {gap:.3g} on average (threshold "
+              f"{cfg.algorithm.logprob_warn_abs}); Pearson r {check['logprob_pearson']:.4f}")
+
+
+def utilisation(run: Run, flops: float, seconds: float) -> dict[str, float]:
+    """Achieved TFLOP/s of the step's DiT work, and MFU where the device's peak is known."""
+    out = {"tflops_per_second": flops / seconds / 1e12}
+    peak = device_peak_flops(run.cfg.model.torch_dtype)
+    if peak:
+        out["mfu"] = flops / seconds / peak
+    return out
