@@ -80,6 +80,16 @@ class ModelFamily:
         """Per sampling step, keyword arguments of the denoiser computed once per rollout batch."""
         return [{} for _ in range(len(sigmas_N))]
 
+    # ---- pipeline folders ---------------------------------------------------------------------------------
+    def pipeline(self, path, dtype: torch.dtype = torch.float32, device="cpu"):
+        """The parts of a diffusers pipeline folder around the denoiser, an object with: ``transformer_dir``;
+        ``encode(prompts) -> (emb [N, T, E], mask [N, T])`` as the pipeline encodes them; ``latent_grid(height,
+        width) -> img_fhw``; ``decode(latents [N, I, C], img_fhw) -> images [N, 3, H, W] in [0, 1]``;
+        ``sigmas(num_steps, img_fhw) -> [num_steps + 1]`` (the scheduler's shift); ``noise(generator, img_fhw)
+        -> [I, C]`` (initial latents as the pipeline draws them).  ValueError naming a folder of another class
+        or a missing component."""
+        raise ValueError(f"model family {self.name!r} loads no pipeline folders yet")
+
     # ---- names: conversion, sync, LoRA --------------------------------------------------------------------
     def rules(self, arch) -> list:
         """The mapping table (checkpoints_convert.mapping.Rule), every block expanded."""

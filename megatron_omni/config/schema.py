@@ -5,6 +5,7 @@ choices, and YAML files and ``a.b=c`` overrides are type-checked against them on
 (see :mod:`megatron_omni.config.loader`). Checks that span several fields live in ``validate()``.
 """
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 from megatron_omni.rollout.config import EngineConfig
@@ -82,6 +83,9 @@ class ModelConfig:
     arch: Any = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # the keys of model_specs.common.dtypes.DTYPES
     backend: Literal["auto", "local", "te"] = "auto"  # auto: Transformer Engine when installed, else local
+    # a diffusers pipeline folder (model_index.json): the family's text encoder, VAE and scheduler come from it, and
+    # the transformer (arch from its config.json, weights unless hf_path / mcore_path say otherwise)
+    path: Optional[str] = None
     hf_path: Optional[str] = None  # a diffusers transformer folder (config.json + safetensors)
     mcore_path: Optional[str] = None  # a megatron-core checkpoint written by `megatron-omni convert`
 
@@ -98,9 +102,40 @@ class ModelConfig:
         """The ModelFamily object of ``family``."""
         return get_family(self.family)
 
+    def read_folder(self) -> None:
+        """With ``path``: check the pipeline folder is one this family loads and take the transformer's arch from
+        it (its weights load from there unless ``hf_path`` / ``mcore_path`` is set)."""
+        if self.path is None:
+            return
+        import json
+
+        index = Path(self.path) / "model_index.json"
+        if not index.is_file():
+            raise ConfigError(f"model.path: {index} is missing; expected a diffusers pipeline folder of "
+                              f"{list(self.family_impl.pipeline_classes)}")
+        cls_name = json.loads(index.read_text()).get("_class_name")
+        if cls_name not in self.family_impl.pipeline_classes:
+            raise ConfigError(f"model.path: {self.path} holds a {cls_name!r}; model.family={self.family!r} loads "
+                              f"{list(self.family_impl.pipeline_classes)}")
+        config = Path(self.path) / "transformer" / "config.json"
+        if not config.is_file():
+            raise ConfigError(f"model.path: {self.path} lacks the component 'transformer' ({config} is missing)")
+        try:
+            self.arch = self.family_impl.arch_from_config(json.loads(config.read_text()))
+        except ValueError as e:
+            raise ConfigError(f"model.path: {config}: {e}") from None
+
+    @property
+    def weights_folder(self) -> Optional[str]:
+        """The diffusers transformer folder the initial weights load from (hf_path, else the pipeline's)."""
+        if self.hf_path is not None or self.mcore_path is not None or self.path is None:
+            return self.hf_path
+        return str(Path(self.path) / "transformer")
+
     def validate(self, tp: int = 1, ulysses: int = 1, pipeline_chunks: int = 1) -> None:
         if self.family not in family_names():
             raise ConfigError(f"model.family: unknown family {self.family!r}; expected one of {family_names()}")
+        self.read_folder()
         if family_of(self.arch) is not self.family_impl:
             raise ConfigError(f"model.arch is a {type(self.arch).__name__} (family {family_of(self.arch).name!r}); "
                               f"model.family={self.family!r} expects a {self.family_impl.arch_class.__name__}: start "
@@ -122,6 +157,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # samples per forward on one data-parallel rank
     global_batch_size: int = 8  # samples per optimizer step over all data-parallel ranks
     save_every: int = 0  # steps between checkpoints; 0 = no periodic checkpoints
+    eval_every: int = 0  # steps between evaluations on the held-out prompts (ODE, fixed seeds); 0 = none
     output_dir: str = "runs/demo"
     # torch.compile mode for the policy's blocks (forward + backward), e.g. "default"; None = eager
     compile: Optional[str] = None
@@ -131,6 +167,8 @@ class TrainConfig:
                           global_batch_size=self.global_batch_size)
         if not self.lr > 0:
             raise ConfigError(f"train.lr: expected a float > 0, got {self.lr}")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every: expected an integer >= 0 (0 = never), got {self.eval_every}")
         if self.save_every < 0:
             raise ConfigError(f"train.save_every: expected an integer >= 0 (0 = never), got {self.save_every}")
         _check_compile("train", self.compile)
@@ -151,11 +189,20 @@ class LoggingConfig:
 
 @dataclass
 class DataConfig:
-    task: Literal["digits"] = "digits"  # prompts, text encoder and decoder of the run (see megatron_omni.data)
-    text_max_tokens: int = 16  # prompt tokens kept by the text encoder (padded, masked)
+    # prompts, text encoder and decoder of the run (megatron_omni.data.tasks): "digits" (the demo's pixel-space
+    # digits) or "pipeline" (the model.path folder's text encoder and VAE, prompts from data.prompts)
+    task: Literal["digits", "pipeline"] = "digits"
+    text_max_tokens: int = 16  # digits: prompt tokens kept by the text encoder (padded, masked)
+    # "pipeline": a .txt (a prompt per line) or .jsonl ("prompt", optional "negative_prompt") file; None = the
+    # packaged OCR prompts (megatron_omni/data/ocr_prompts, Flow-GRPO's visual-text set)
+    prompts: Optional[str] = None
+    eval_prompts: int = 16  # "pipeline": prompts held out of training for train.eval_every (distinct prompts)
+    height: int = 512  # "pipeline": image size in pixels
+    width: int = 512
 
     def validate(self) -> None:
-        _require_positive("data", text_max_tokens=self.text_max_tokens)
+        _require_positive("data", text_max_tokens=self.text_max_tokens, height=self.height, width=self.width,
+                          eval_prompts=self.eval_prompts)
 
 
 @dataclass

@@ -8,6 +8,9 @@ import re
 import torch
 import torch.nn.functional as F
 
+from model_specs.common.latents import pack_2x2  # noqa: F401  (the digits are packed as latents)
+from model_specs.common.latents import unpack_2x2 as _unpack
+
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 IMAGE_SIZE = 16
 GRID_FHW = (1, IMAGE_SIZE // 2, IMAGE_SIZE // 2)  # token grid of a 2x2-packed 16x16 image
@@ -40,19 +43,9 @@ def load_digit_images() -> tuple[torch.Tensor, torch.Tensor]:
     return x * 2 - 1, torch.tensor(data.target)
 
 
-def pack_2x2(img_B1HW: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, (H/2)(W/2), 4C], the order diffusers' Qwen-Image pipeline packs latents in."""
-    b, c, h, w = img_B1HW.shape
-    x = img_B1HW.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
 def unpack_2x2(tokens_BIC: torch.Tensor, height: int = IMAGE_SIZE, width: int = IMAGE_SIZE) -> torch.Tensor:
-    """Inverse of :func:`pack_2x2`."""
-    b, _, c4 = tokens_BIC.shape
-    c = c4 // 4
-    x = tokens_BIC.view(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, height, width)
+    """model_specs.common.latents.unpack_2x2 at the digits' size."""
+    return _unpack(tokens_BIC, height, width)
 
 
 def to_unit_images(img_B1HW: torch.Tensor) -> torch.Tensor:

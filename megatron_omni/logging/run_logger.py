@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from megatron_omni.logging.grids import labelled_grid
 from megatron_omni.logging.images import curve_plot, image_grid
 
 
@@ -65,8 +66,12 @@ class RunLogger:
         print(f"step {step + 1}/{self.total_steps}  {shown}  ({record.get('step_seconds', 0):.1f} s/step, "
               f"ETA {eta:.0f} s)", flush=True)
 
-    def log_images(self, step: int, images_NHW: torch.Tensor, name: str = "samples") -> Path:
-        path = image_grid(images_NHW, self.run_dir / f"{name}_step{step:05d}.png")
+    def log_images(self, step: int, images: torch.Tensor, name: str = "samples",
+                   labels: list[str] | None = None) -> Path:
+        """A grid of ``images`` ([N, H, W] gray or [N, C, H, W], in [0, 1]), each tile labelled with its
+        ``labels[i]`` (prompt and reward) when given."""
+        path = self.run_dir / f"{name}_step{step:05d}.png"
+        path = image_grid(images, path) if labels is None else labelled_grid(images, labels, path)
         if self._wandb is not None:
             import wandb
 

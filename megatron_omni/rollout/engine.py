@@ -32,6 +32,9 @@ from model_specs.common.lora import base_parameters
 from model_specs.family import ModelFamily, family_of
 
 EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]  # prompts -> (emb [N,T,E], mask [N,T])
+# (a request's generator, img_fhw) -> its initial latents [S_I, C], as the model family's pipeline draws them
+# (e.g. diffusers' prepare_latents, so a seed gives the pipeline's image); None: randn [S_I, C] from the generator
+NoiseFn = Callable[[torch.Generator, tuple[int, int, int]], torch.Tensor]
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Request:
     img_fhw: tuple[int, int, int] = (1, 32, 32)  # packed token grid (frames, latent h / 2, latent w / 2)
     num_steps: int = 10
     shift: float = 1.0
+    # an explicit schedule of num_steps + 1 sigmas (e.g. a pipeline's dynamic shift); None: sigmas(num_steps, shift)
+    sigmas: tuple[float, ...] | None = None
     sampler: str = "sde"  # one of samplers.KINDS
     noise_level: float = 0.7
     window_size: int | None = None  # None: every step is trained (no step for "ode")
@@ -114,6 +119,11 @@ def check_request(req: Request, text_dim: int) -> None:
     if len(req.img_fhw) != 3 or any(not isinstance(d, int) or d < 1 for d in req.img_fhw):
         raise ValueError(f"{who}: img_fhw={req.img_fhw!r}; expected 3 positive integers")
     sigmas(req.num_steps, req.shift)  # validates num_steps and shift
+    if req.sigmas is not None:
+        s = list(req.sigmas)
+        if len(s) != req.num_steps + 1 or s[-1] != 0 or not 0 < s[0] <= 1 or any(a <= b for a, b in zip(s, s[1:])):
+            raise ValueError(f"{who}: sigmas={tuple(s)!r}; expected num_steps + 1 = {req.num_steps + 1} strictly "
+                             f"decreasing values from (0, 1] down to 0")
     if req.sampler != "ode" and not req.noise_level > 0:
         raise ValueError(f"{who}: noise_level={req.noise_level!r} with sampler {req.sampler!r}; expected > 0 "
                          f"(use sampler='ode' for deterministic steps)")
@@ -195,12 +205,14 @@ class EmbeddedEngine:
     in eval mode under ``torch.no_grad``; sampler math is float32 whatever the model dtype."""
 
     def __init__(self, model: torch.nn.Module, arch, encode_prompts: EncodeFn | None = None,
-                 config: EngineConfig | None = None, tp_rank: int = 0, tp_size: int = 1):
+                 config: EngineConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 initial_noise: NoiseFn | None = None):
         self.config = config or EngineConfig()
         self.config.check_engine()
         self.family: ModelFamily = family_of(arch)
         self.channels, self.text_dim = self.family.latent_channels(arch), self.family.text_dim(arch)
         self.model, self.arch, self.encode_prompts = model.eval(), arch, encode_prompts
+        self.initial_noise = initial_noise
         self.fused = fuse_inference(model) if self.config.fuse else 0
         self.tp_rank, self.tp_size = tp_rank, tp_size
         first = next(model.parameters())
@@ -317,7 +329,8 @@ class EmbeddedEngine:
             (txt,), mask = pad_rows([part], padded_length([part.shape[0]], self.config.text_pad_multiple))
             texts.append((txt.to(self._device), None if mask is None else mask[0].to(self._device)))
         cfg = (r.guidance_scale, r.cfg_rescale) if r.cfg else None
-        key = (tuple(r.img_fhw), r.num_steps, float(r.shift), r.sampler, float(r.noise_level), cfg,
+        schedule = None if r.sigmas is None else tuple(float(v) for v in r.sigmas)
+        key = (tuple(r.img_fhw), r.num_steps, float(r.shift), schedule, r.sampler, float(r.noise_level), cfg,
                r.log_prob_form, tuple((txt.shape[0], mask is not None) for txt, mask in texts))
         return _Prepared(r, key, texts)
 
@@ -332,11 +345,13 @@ class EmbeddedEngine:
                                    f"after a weight load of the whole model succeeds")
             if self.fused:
                 refresh_fused(self.model)  # the weights may have changed since the last batch
-            sigmas_N1 = sigmas(r0.num_steps, r0.shift)
+            sigmas_N1 = sigmas(r0.num_steps, r0.shift) if r0.sigmas is None else \
+                torch.tensor(r0.sigmas, dtype=torch.float32)
             gens = [torch.Generator().manual_seed(p.request.seed) for p in items]
             windows = [_trained_steps(p.request, g) for p, g in zip(items, gens)]
             shape_X = (r0.img_fhw[0] * r0.img_fhw[1] * r0.img_fhw[2], self.channels)
-            x_BX = torch.stack([torch.randn(shape_X, generator=g) for g in gens]).to(self._device)
+            noise = self.initial_noise or (lambda g, fhw: torch.randn(shape_X, generator=g))
+            x_BX = torch.stack([noise(g, r0.img_fhw).float() for g in gens]).to(self._device)
             trained_BN = torch.stack([mask for mask, _ in windows])
             sig_dev = sigmas_N1.to(self._device)
             kept = [[] for _ in items]  # per request: its trained steps' uncond outputs, in step order

@@ -77,6 +77,10 @@ class Run:
             images.append(part_images)
         return trajs, torch.cat(images), pending
 
+    def preview(self, images: torch.Tensor) -> torch.Tensor:
+        """Decoded images as [N, H, W] / [N, C, H, W] floats in [0, 1], for grids."""
+        return images if self.task.preview is None else self.task.preview(images)
+
     def text_for(self, trajs: list[Trajectory]) -> TextTable:
         """Text embeddings of the trajectories' prompts (and negative prompts with CFG) for the trainer, encoded
         once per prompt and cached."""
@@ -122,7 +126,8 @@ def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
             _apply_lora(model, cfg)
         if cfg.rollout.compile:
             compile_blocks(model, cfg.rollout.compile)
-        return EmbeddedEngine(model, arch, task.encode, cfg.rollout)  # the rollout section is the engine's config
+        # the rollout section is the engine's config; the task draws initial noise as its pipeline does
+        return EmbeddedEngine(model, arch, task.encode, cfg.rollout, initial_noise=task.noise)
     engines = None
     if state.rank == 0:
         s = cfg.sync
@@ -138,14 +143,14 @@ def engine_process(cfg: RunConfig, trainer_world: int, index: int) -> EmbeddedEn
     (weights arrive by the first sync).  "process" engines on GPUs take the GPUs after the trainer's."""
     import os
 
-    from megatron_omni.data.tasks import build_task
+    from megatron_omni.data.tasks import task_for
     from megatron_omni.parallel.state import init_parallel
 
     if cfg.sync.engine_placement == "process" and cfg.parallel.device != "cpu" and os.environ.get(
             "CUDA_VISIBLE_DEVICES") != "":
         os.environ["CUDA_VISIBLE_DEVICES"] = str(trainer_world + index)
     state = init_parallel(seed=cfg.train.seed, device=cfg.parallel.device)
-    task = build_task(cfg.data.task, cfg.data.text_max_tokens)
+    task = task_for(cfg, state.torch_device)
     return _build_engine(replace(cfg, sync=replace(cfg.sync, engine_placement="in_process")), state, task)
 
 
@@ -161,8 +166,8 @@ def _initial_weights(cfg: RunConfig, state: ParallelState):
     def prepare(module: torch.nn.Module) -> None:
         if cfg.model.mcore_path:
             load_model(module, cfg.model.mcore_path)
-        elif cfg.model.hf_path:
-            folder = HFFolder(cfg.model.hf_path)
+        elif cfg.model.weights_folder:
+            folder = HFFolder(cfg.model.weights_folder)
             module.load_state_dict(mcore_state_from_hf(module.arch, folder.get, state.tp_rank, state.tp), strict=False)
         if cfg.lora.rank > 0:
             _apply_lora(module, cfg)

@@ -16,6 +16,7 @@ from megatron_omni.config.schema import RunConfig
 from megatron_omni.data.tasks import Task
 from megatron_omni.parallel.state import ParallelState
 from megatron_omni.trainer.build import Run, build_run, scores_of
+from megatron_omni.trainer.evaluate import evaluate
 from megatron_omni.trainer.mfu import device_peak_flops
 
 
@@ -55,7 +56,8 @@ def rl_step(run: Run, step: int) -> dict[str, Any]:
     metrics.update(utilisation(run, algo.flops(run, trajs, text), seconds))
     metrics.update(lr=run.cfg.train.lr, **trained, **check, **clock.seconds, step_seconds=seconds,
                    images_per_second=len(trajs) / seconds, sync_restarts=run.updater.restarts)
-    return {"metrics": metrics, "images": images}
+    labels = [f"{t.request.prompt}\nreward {float(r):.2f}" for t, r in zip(trajs, scores["reward"])]
+    return {"metrics": metrics, "images": images, "labels": labels}
 
 
 def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path, resume: bool = False,
@@ -68,10 +70,12 @@ def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path,
     try:
         for step in range(start, cfg.train.steps):
             result = rl_step(run, step)
+            if cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step == last):
+                result["metrics"].update(evaluate(run, step))
             run.logger.log_step(step, result["metrics"])
             done.append({"step": step, **result["metrics"]})
             if step % max(1, cfg.train.steps // 4) == 0 or step == last:
-                run.logger.log_images(step, result["images"][:64])
+                run.logger.log_images(step, run.preview(result["images"][:64]), labels=result["labels"][:64])
             if stop_after is not None and len(done) >= stop_after:
                 break
             if step == last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megatron_omni.config.schema import RunConfig
-from megatron_omni.data.tasks import Task, build_task
+from megatron_omni.data.tasks import Task, task_for
 from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
 
@@ -33,7 +33,7 @@ def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
     state = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, seed=cfg.train.seed,
                           device=cfg.parallel.device)
     try:
-        task = build_task(cfg.data.task, cfg.data.text_max_tokens)
+        task = task_for(cfg, state.torch_device)
         check_task_fits(cfg, task)
         _, done = train(cfg, state, task, cfg.train.output_dir, resume=resume)
         return done

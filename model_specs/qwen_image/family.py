@@ -73,6 +73,11 @@ class QwenImageFamily(ModelFamily):
         table = model.modulation_table(sigmas_N)
         return [{"modulation": table.step(i)} for i in range(len(sigmas_N))]
 
+    def pipeline(self, path, dtype: torch.dtype = torch.float32, device="cpu"):
+        from model_specs.qwen_image.pipeline import QwenImageParts
+
+        return QwenImageParts.from_folder(path, dtype, device)
+
     def rules(self, arch: QwenImageConfig) -> list:
         from checkpoints_convert.qwen_image import qwen_image_rules
 

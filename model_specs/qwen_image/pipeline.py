@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_omni.data.digits import pack_2x2, unpack_2x2
+from model_specs.common.latents import pack_2x2, unpack_2x2
 
 PIPELINE_CLASSES = ("QwenImagePipeline", "QwenImageEditPipeline")
 COMPONENTS = {"QwenImagePipeline": ("scheduler", "text_encoder", "tokenizer", "transformer", "vae"),
@@ -310,6 +310,26 @@ class QwenImageParts:
                         device: str | torch.device | None = None) -> torch.Tensor:
         """:func:`initial_latents` with this folder's VAE latent channels."""
         return initial_latents(generator, batch, img_fhw, self.vae.z_dim, dtype, device)
+
+    # ---- the pipeline-parts protocol generic code uses (model_specs.family.ModelFamily.pipeline) ----------------
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(emb [N, T, E], mask [N, T]) of text-to-image prompts, as the pipeline's ``encode_prompt``."""
+        return self.text_encoder.encode(prompts)
+
+    def latent_grid(self, height: int, width: int) -> tuple[int, int, int]:
+        return self.vae.latent_grid(height, width)
+
+    def decode(self, packed_NIC: torch.Tensor, img_fhw: tuple[int, int, int]) -> torch.Tensor:
+        """Images [N, 3, H, W] in [0, 1], as the pipeline's ``output_type="pt"``."""
+        return self.vae.decode(packed_NIC, img_fhw)
+
+    def sigmas(self, num_steps: int, img_fhw: tuple[int, int, int]) -> torch.Tensor:
+        """The pipeline's schedule (dynamic shift from the image token count): [num_steps + 1] float32."""
+        return self.scheduler.sigmas(num_steps, img_fhw[0] * img_fhw[1] * img_fhw[2])
+
+    def noise(self, generator: torch.Generator, img_fhw: tuple[int, int, int]) -> torch.Tensor:
+        """One sample's initial latents [I, C] drawn as ``prepare_latents`` draws them from ``generator``."""
+        return self.initial_latents(generator, 1, img_fhw)[0]
 
     @classmethod
     def from_folder(cls, path: str | Path, dtype: torch.dtype = torch.float32,

@@ -182,7 +182,7 @@ def test_sample_draws_like_the_rl_loop():
 
     cfg = get_recipe("digits_flow_grpo")
     ds = PromptDataset.from_prompts([prompt_for(d) for d in range(10)])
-    run = SimpleNamespace(cfg=cfg, task=SimpleNamespace(prompts=ds.prompts, img_fhw=GRID_FHW),
+    run = SimpleNamespace(cfg=cfg, task=SimpleNamespace(prompts=ds.prompts, img_fhw=GRID_FHW, sigmas=None),
                           family=cfg.model.family_impl)
     n, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     for step in (0, 1, 17):

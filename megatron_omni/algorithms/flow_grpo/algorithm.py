@@ -51,8 +51,10 @@ class FlowGRPO(Algorithm):
         # (MixGRPO's schedule) was tried on the digits demo: the judge fell to 0.14-0.3 by step 30-40 while
         # the reward rose (reward hacking), against 0.34 -> 0.62 with per-sample windows.
         keep = self.record_spec(cfg).uncond_outputs
+        schedule = None if run.task.sigmas is None else tuple(run.task.sigmas(r.num_steps).tolist())
         return [Request(prompt=p.prompt, prompt_id=k, seed=request_seed(cfg.train.seed, step, k * r.group_size + i),
-                        img_fhw=run.task.img_fhw, num_steps=r.num_steps, shift=r.shift, sampler=r.sampler,
+                        img_fhw=run.task.img_fhw, num_steps=r.num_steps, shift=r.shift, sigmas=schedule,
+                        sampler=r.sampler,
                         noise_level=r.noise_level, log_prob_form=r.log_prob_form, window_size=r.window_size,
                         window_range=r.window_range, guidance_scale=r.guidance_scale,
                         cfg_rescale=run.family.guidance_rescale, keep_uncond_velocity=keep)

@@ -1,0 +1,35 @@
+"""Evaluation on the task's held-out prompts: deterministic (ODE) samples at fixed seeds, the same at every
+evaluation, scored by the run's rewards and logged as ``eval_<reward>_mean`` plus a grid labelled with each tile's
+prompt and reward (``eval_stepNNNNN.png``)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_omni.data.prompts import request_seed
+from megatron_omni.rollout.engine import Request
+
+EVAL_SEED = 7_777  # the eval samples' seeds: request_seed(EVAL_SEED, 0, i), whatever the run's seed and step
+
+
+def eval_requests(run) -> list[Request]:
+    r, task = run.cfg.rollout, run.task
+    schedule = None if task.sigmas is None else tuple(task.sigmas(r.num_steps).tolist())
+    return [Request(prompt=p, prompt_id=i, seed=request_seed(EVAL_SEED, 0, i), img_fhw=task.img_fhw,
+                    num_steps=r.num_steps, shift=r.shift, sigmas=schedule, sampler="ode",
+                    guidance_scale=r.guidance_scale, cfg_rescale=run.family.guidance_rescale)
+            for i, p in enumerate(task.eval_prompts)]
+
+
+def evaluate(run, step: int) -> dict[str, float]:
+    """The held-out metrics of the policy the engine holds now (after this step's weight update)."""
+    requests = eval_requests(run)
+    if not requests:
+        return {}
+    trajs = run.engine.generate(requests)
+    images = run.task.decode(torch.stack([t.final_sample for t in trajs]).cpu())
+    prompts = [q.prompt for q in requests]
+    (scores,) = [p.result() for p in [run.rewards.submit(images, prompts)]]
+    labels = [p + "".join(f"\n{name} {float(values[i]):.2f}" for name, values in scores.items())
+              for i, p in enumerate(prompts)]
+    run.logger.log_images(step, run.preview(images), name="eval", labels=labels)
+    return {f"eval_{name}_mean": float(values.mean()) for name, values in scores.items()}
