@@ -3,10 +3,11 @@
     megatron-omni train --recipe qwen_image_tiny [--config run.yaml] [--print-config] [a.b=c ...]
     megatron-omni convert {hf-to-mcore,mcore-to-hf} ...   (checkpoints_convert.cli)
     megatron-omni demo [...]                              (megatron_omni.demo: the main job)
-    megatron-omni generate | bench                        (not built yet)
+    megatron-omni generate --model DIR --prompts FILE --out DIR   (megatron_omni.generate)
+    megatron-omni bench                                   (not built yet)
 
-``convert`` and ``demo`` hand their arguments, ``--help`` included, to the module that implements
-them; it is imported only then, so the other subcommands do not pay for its imports.
+``convert``, ``demo``, ``export`` and ``generate`` hand their arguments, ``--help`` included, to the module
+that implements them; it is imported only then, so the other subcommands do not pay for its imports.
 """
 import argparse
 import importlib
@@ -19,7 +20,8 @@ PROG = "megatron-omni"
 EXIT_USAGE = 2  # argparse's code for a command line that cannot run: bad config, command not built yet
 
 # subcommand -> module whose main(argv) -> int receives the rest of the command line
-FORWARDED = {"convert": "checkpoints_convert.cli", "demo": "megatron_omni.demo", "export": "megatron_omni.export"}
+FORWARDED = {"convert": "checkpoints_convert.cli", "demo": "megatron_omni.demo", "export": "megatron_omni.export",
+             "generate": "megatron_omni.generate"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -49,11 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", add_help=False, help="run the demo job (tiny Qwen-Image on this machine)")
     sub.add_parser("export", add_help=False, help="export a training checkpoint for diffusers "
                    "(--checkpoint DIR --out DIR [--merged] [--step N]: a LoRA folder, or a merged transformer folder)")
-    for name, what in (("generate", "sample images from a checkpoint"),
-                       ("bench", "measure rollout and training throughput")):
-        p = sub.add_parser(name, help=f"{what} (not built yet)",
-                           description=f"{what}. Not built yet: this command exits with code {EXIT_USAGE}.")
-        p.set_defaults(handler=_not_built)
+    sub.add_parser("generate", add_help=False, help="sample one PNG per prompt line from a pipeline folder, "
+                   "optionally with a LoRA folder or a checkpoint (--model DIR --prompts FILE --out DIR [--lora DIR | "
+                   "--checkpoint DIR]; torchrun: data parallel)")
+    what = "measure rollout and training throughput"
+    p = sub.add_parser("bench", help=f"{what} (not built yet)",
+                       description=f"{what}. Not built yet: this command exits with code {EXIT_USAGE}.")
+    p.set_defaults(handler=_not_built)
     return parser
 
 

@@ -1,0 +1,365 @@
+"""``megatron-omni generate``: a batch job sampling one PNG per prompt line from a diffusers pipeline folder's model,
+optionally with a LoRA folder or a training checkpoint on it, exactly as the pipeline itself samples.
+
+    megatron-omni generate --model Qwen-Image --prompts prompts.txt --out samples/base
+    megatron-omni generate --model Qwen-Image --lora exports/ocr_lora --prompts eval.jsonl --out samples/ocr
+    torchrun --nproc-per-node 8 -m megatron_omni.cli generate --model Qwen-Image --checkpoint runs/ocr \\
+        --prompts eval.txt --out samples/ocr_step300
+
+Line i of the prompt file is sampled with seed S + i (a JSONL line's own ``"seed"`` / ``"negative_prompt"`` win):
+its initial latents are what the pipeline draws from ``torch.Generator().manual_seed(seed)``, then Euler steps
+over the pipeline's own sigma schedule.  True CFG runs when the pipeline's ``__call__`` runs it: a negative prompt
+is given (an empty one counts) and the scale is > 1.  So in float32 an image is the pipeline's ``pipe(prompt,
+negative_prompt=..., true_cfg_scale=G, height=H, width=W, num_inference_steps=N, generator=...)`` image; the
+defaults are that call's (50 steps, scale 4, no negative prompt, 1024 x 1024 = QwenImagePipeline's
+default_sample_size 128 x VAE factor 8).
+
+``--out`` receives ``NNNNN.png`` per line, ``manifest.jsonl`` (a JSON object per finished line: index, prompt,
+negative_prompt, seed, file, height, width, steps, guidance, dtype and the weights' sources) and
+``contact_sheet.png`` (the first lines' images, labelled).  A rerun skips the lines the manifest lists with the
+same entry whose PNG exists.  Under torchrun (data parallel, one model per rank) rank r samples the lines i = r
+(mod world) and appends each finished line to ``manifest.part<r>.jsonl``; after a barrier rank 0 merges the
+parts into ``manifest.jsonl`` (parts an interrupted run left count as finished) and draws the contact sheet.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from megatron_omni.data.prompts import PromptDataset
+from megatron_omni.generate_weights import GenerateError, attach_lora, checkpoint_policy, folder_denoiser
+
+PROG = "megatron-omni generate"
+MANIFEST, SHEET, PART = "manifest.jsonl", "contact_sheet.png", "manifest.part{rank}.jsonl"
+SHEET_MAX, SHEET_TILE = 64, 256  # the contact sheet shows the first 64 lines, tiles at most 256 px wide
+# barrier timeout: rank 0 waits at the end for the slowest rank (whose lines a rerun may not have skipped)
+TIMEOUT_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """The sampling settings; defaults are QwenImagePipeline.__call__'s (see the module docstring)."""
+
+    height: int = 1024
+    width: int = 1024
+    steps: int = 50
+    guidance: float = 4.0  # true CFG scale (the pipeline's true_cfg_scale); used only with a negative prompt
+    negative_prompt: str | None = None  # for every line without its own; None: no CFG
+    seed: int = 0  # line i's seed is seed + i
+    batch_size: int = 1  # requests per forward (CFG doubles the rows); never changes a sample
+    dtype: str = "bfloat16"
+    device: str = "auto"
+
+    def check(self) -> None:
+        from model_specs.common.dtypes import DTYPES
+
+        for name in ("height", "width", "steps", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise GenerateError(f"--{name.replace('_', '-')} {value!r}: expected an integer >= 1")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise GenerateError(f"--seed {self.seed!r}: expected an integer >= 0")
+        if self.dtype not in ("float32", "bfloat16") or self.dtype not in DTYPES:
+            raise GenerateError(f"--dtype {self.dtype!r}: expected float32 or bfloat16")
+
+
+@dataclass
+class GenerateResult:
+    out: Path
+    total: int  # lines in the prompt file
+    skipped: int  # lines finished by an earlier run (all ranks)
+    generated: list[int] = field(default_factory=list)  # line indices this rank sampled
+    images: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_images: index -> [3, H, W] in [0, 1]
+    seconds: float = 0.0
+
+
+# ---- the lines to sample -------------------------------------------------------------------------------------
+
+def plan_lines(dataset: PromptDataset, options: GenerateOptions, sources: dict[str, str | None]) -> list[dict]:
+    """The manifest entry of every line: what makes its image (a rerun skips a line whose entry is unchanged)."""
+    entries = []
+    for i, record in enumerate(dataset):
+        negative = record.negative_prompt if record.negative_prompt is not None else options.negative_prompt
+        entries.append({"index": i, "prompt": record.prompt, "negative_prompt": negative,
+                        "seed": record.seed if record.seed is not None else options.seed + i, "file": f"{i:05d}.png",
+                        "height": options.height, "width": options.width, "steps": options.steps,
+                        "guidance": float(options.guidance), "dtype": options.dtype, **sources})
+    return entries
+
+
+def read_records(out: Path) -> dict[int, dict]:
+    """index -> entry of ``manifest.jsonl``, then of the rank parts (later wins); unreadable lines are ignored
+    (a line cut by an interrupted run is simply not finished)."""
+    records: dict[int, dict] = {}
+    for path in [out / MANIFEST, *sorted(out.glob(PART.format(rank="*")))]:
+        if not path.is_file():
+            continue
+        for text in path.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("index"), int):
+                records[entry["index"]] = entry
+    return records
+
+
+def finished(out: Path, plan: list[dict]) -> list[dict]:
+    """The planned lines an earlier run finished: the same entry recorded, and its PNG there."""
+    records = read_records(out)
+    return [e for e in plan if records.get(e["index"]) == e and (out / e["file"]).is_file()]
+
+
+# ---- the model ----------------------------------------------------------------------------------------------
+
+def load_pipeline(model: str | Path, dtype: torch.dtype, device: torch.device):
+    """(family, pipeline parts) of a diffusers pipeline folder, refusing other classes and edit pipelines."""
+    from model_specs.family import family_for_class
+
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        raise GenerateError(f"--model {model}: {index} is missing; expected a diffusers pipeline folder "
+                            f"(save_pretrained), e.g. a QwenImagePipeline")
+    class_name = json.loads(index.read_text()).get("_class_name")
+    family = family_for_class(str(class_name))
+    if class_name not in family.pipeline_classes:
+        raise GenerateError(f"--model {model} is a {class_name!r} folder; expected a pipeline folder of "
+                            f"{list(family.pipeline_classes)}")
+    parts = family.pipeline(model, dtype, device)
+    if parts.edit:
+        raise GenerateError(f"--model {model} is a {class_name} folder: edit pipelines are not supported by "
+                            f"generate yet; expected a text-to-image pipeline folder")
+    return family, parts
+
+
+def load_denoiser(family, parts, dtype: torch.dtype, state, lora: str | Path | None = None,
+                  checkpoint: str | Path | None = None) -> tuple[torch.nn.Module, Any, dict[str, str | None]]:
+    """(denoiser, arch, sources): the folder's transformer, with a LoRA folder's adapters, or a training
+    checkpoint's policy on the folder's arch.  ``sources`` names the weights for the manifest."""
+    from checkpoints_convert.hf_folder import HFFolder
+
+    folder = HFFolder(parts.transformer_dir)
+    try:
+        arch = family.arch_from_config(folder.config)
+    except ValueError as e:
+        raise GenerateError(f"{folder.path / 'config.json'}: {e}") from None
+    sources = {"model": str(Path(parts.transformer_dir).parent.resolve()), "lora": None, "checkpoint": None}
+    if checkpoint is not None:
+        module, step_dir = checkpoint_policy(checkpoint, family, arch, state)
+        sources["checkpoint"] = str(step_dir.resolve())
+        return module.to(dtype).eval(), arch, sources
+    module = folder_denoiser(family, arch, folder, dtype, state)
+    if lora is not None:
+        attach_lora(module, lora, family, arch)
+        sources["lora"] = str(Path(lora).resolve())
+    return module.eval(), arch, sources
+
+
+@contextlib.contextmanager
+def parallel(device: str, seed: int) -> Iterator[Any]:
+    """megatron's groups over torchrun's world (or this process alone): TP = CP = PP = 1, data parallel only."""
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+
+    state = init_parallel(seed=seed, device=device, timeout_s=TIMEOUT_S)
+    try:
+        yield state
+    finally:
+        destroy_parallel()
+
+
+def barrier(state) -> None:
+    if state.world_size > 1:
+        torch.distributed.barrier()
+
+
+# ---- sampling and the outputs --------------------------------------------------------------------------------
+
+def request_for(entry: dict, img_fhw: tuple[int, int, int], sigmas: tuple[float, ...], family):
+    """The ODE request of one line; CFG exactly when QwenImagePipeline runs it (negative prompt and scale > 1)."""
+    from megatron_omni.rollout.engine import Request
+
+    cfg = entry["negative_prompt"] is not None and entry["guidance"] > 1
+    return Request(prompt=entry["prompt"], prompt_id=entry["index"], negative_prompt=entry["negative_prompt"] or "",
+                   seed=entry["seed"], img_fhw=img_fhw, num_steps=entry["steps"], sigmas=sigmas, sampler="ode",
+                   guidance_scale=entry["guidance"] if cfg else 1.0, cfg_rescale=family.guidance_rescale)
+
+
+def save_png(image_3HW: torch.Tensor, path: Path) -> None:
+    """uint8 as diffusers' output_type="pil" rounds (round(x * 255)), written atomically."""
+    from PIL import Image
+
+    from megatron_omni.logging.grids import as_uint8_NHWC
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    Image.fromarray(as_uint8_NHWC(image_3HW[None])[0]).save(tmp, format="PNG")
+    os.replace(tmp, path)
+
+
+def sample_lines(engine, parts, family, todo: list[dict], out: Path, state, options: GenerateOptions,
+                 progress: bool, keep_images: bool) -> dict[int, torch.Tensor]:
+    """Sample ``todo`` in batches; each image's PNG, then its entry in this rank's manifest part."""
+    from tqdm import tqdm
+
+    img_fhw = parts.latent_grid(options.height, options.width)
+    sigmas = tuple(parts.sigmas(options.steps, img_fhw).tolist())
+    kept = {}
+    bar = tqdm(total=len(todo), desc="generate", unit="image", disable=not progress or state.rank != 0)
+    with open(out / PART.format(rank=state.rank), "a", encoding="utf-8") as part, bar:
+        for start in range(0, len(todo), options.batch_size):
+            chunk = todo[start:start + options.batch_size]
+            trajs = engine.generate([request_for(e, img_fhw, sigmas, family) for e in chunk])
+            images = parts.decode(torch.stack([t.final_sample for t in trajs]), img_fhw).float().cpu()
+            for entry, image in zip(chunk, images):
+                save_png(image, out / entry["file"])
+                part.write(json.dumps(entry) + "\n")
+                part.flush()
+                if keep_images:
+                    kept[entry["index"]] = image
+            bar.update(len(chunk))
+    return kept
+
+
+def write_outputs(out: Path, plan: list[dict]) -> list[dict]:
+    """Rank 0, after every rank is done: manifest.jsonl of the finished lines (atomically, the parts removed) and
+    the contact sheet.  Returns the finished entries."""
+    done = finished(out, plan)
+    tmp = out / f".{MANIFEST}.tmp"
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in done), encoding="utf-8")
+    os.replace(tmp, out / MANIFEST)
+    for part in out.glob(PART.format(rank="*")):
+        part.unlink()
+    if done:
+        contact_sheet(out, done[:SHEET_MAX])
+    return done
+
+
+def contact_sheet(out: Path, entries: list[dict]) -> Path:
+    """The entries' PNGs as one labelled grid (prompt, then seed), tiles at most SHEET_TILE px wide."""
+    import numpy as np
+    from PIL import Image
+
+    from megatron_omni.logging.grids import labelled_grid
+
+    tiles = []
+    for e in entries:
+        with Image.open(out / e["file"]) as image:
+            image = image.convert("RGB")
+            if image.width > SHEET_TILE:
+                image = image.resize((SHEET_TILE, round(image.height * SHEET_TILE / image.width)), Image.LANCZOS)
+            tiles.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255)
+    labels = [f"{e['prompt']}\nseed {e['seed']}" for e in entries]
+    return labelled_grid(torch.stack(tiles), labels, out / SHEET)
+
+
+# ---- the job -------------------------------------------------------------------------------------------------
+
+def generate(model: str | Path, prompts: str | Path | PromptDataset, out: str | Path, *,
+             lora: str | Path | None = None, checkpoint: str | Path | None = None,
+             options: GenerateOptions = GenerateOptions(), progress: bool = True,
+             keep_images: bool = False) -> GenerateResult:
+    """Sample every line of ``prompts`` not finished in ``out`` (see the module docstring).  Every input is
+    checked before anything is written; ``keep_images`` returns this rank's images as floats (pre-PNG)."""
+    from megatron_omni.rollout.config import EngineConfig
+    from megatron_omni.rollout.engine import EmbeddedEngine
+    from model_specs.common.dtypes import DTYPES
+
+    start = time.perf_counter()
+    if lora is not None and checkpoint is not None:
+        raise GenerateError(f"--lora {lora} and --checkpoint {checkpoint}: give one of them (a LoRA folder or a "
+                            f"training checkpoint), not both")
+    options.check()
+    dataset = prompts if isinstance(prompts, PromptDataset) else PromptDataset.from_file(prompts)
+    out, dtype = Path(out), DTYPES[options.dtype]
+    if out.exists() and not out.is_dir():
+        raise GenerateError(f"--out {out} is a file; expected a folder (created if missing)")
+    with parallel(options.device, options.seed) as state:
+        family, parts = load_pipeline(model, dtype, state.torch_device)
+        parts.latent_grid(options.height, options.width)  # refuses a size the VAE cannot make
+        module, arch, sources = load_denoiser(family, parts, dtype, state, lora, checkpoint)
+        engine = EmbeddedEngine(module, arch, parts.encode, EngineConfig(max_num_seqs=options.batch_size),
+                                initial_noise=parts.noise)
+        plan = plan_lines(dataset, options, sources)
+        skipped = {e["index"] for e in finished(out, plan)}
+        barrier(state)  # every rank has read what an earlier run left before any rank writes
+        out.mkdir(parents=True, exist_ok=True)
+        todo = [e for e in plan if e["index"] % state.world_size == state.rank and e["index"] not in skipped]
+        if state.rank == 0:
+            print(f"{PROG}: {len(plan)} lines, {len(skipped)} skipped (finished in {out / MANIFEST}), "
+                  f"{len(plan) - len(skipped)} to sample on {state.world_size} rank(s)", file=sys.stderr)
+        kept = sample_lines(engine, parts, family, todo, out, state, options, progress, keep_images)
+        barrier(state)
+        if state.rank == 0 and len(write_outputs(out, plan)) < len(plan):
+            raise GenerateError(f"{out / MANIFEST} lists fewer lines than {len(plan)}: a rank's PNGs are missing")
+    return GenerateResult(out, len(plan), len(skipped), [e["index"] for e in todo], kept,
+                          time.perf_counter() - start)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GenerateOptions()
+    p = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Sample one PNG per prompt line from a diffusers pipeline folder's model (optionally a LoRA\n"
+                    "folder or a training checkpoint on it), as the pipeline samples at the same seed; writes\n"
+                    "NNNNN.png, manifest.jsonl and contact_sheet.png into --out.  A rerun skips finished lines.\n"
+                    "Under torchrun every rank samples its share of the lines (data parallel).",
+        epilog="examples:\n  megatron-omni generate --model Qwen-Image --prompts prompts.txt --out samples/base\n"
+               "  megatron-omni generate --model Qwen-Image --lora exports/ocr_lora --prompts eval.jsonl \\\n"
+               "      --out samples/ocr --steps 30 --negative-prompt ' ' --seed 42 --batch-size 4\n"
+               "  torchrun --nproc-per-node 8 -m megatron_omni.cli generate --model Qwen-Image \\\n"
+               "      --checkpoint runs/ocr --prompts eval.txt --out samples/ocr_step300")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a diffusers pipeline folder (model_index.json), e.g. --model Qwen-Image")
+    weights = p.add_argument_group("weights on the folder's model (at most one)")
+    weights.add_argument("--lora", metavar="DIR", help="a diffusers LoRA folder (pytorch_lora_weights.safetensors, "
+                         "as `megatron-omni export` writes), e.g. --lora exports/ocr_lora")
+    weights.add_argument("--checkpoint", metavar="DIR", help="a training run dir, its checkpoints/ dir or a step "
+                         "dir; the policy of its latest step, e.g. --checkpoint runs/ocr")
+    p.add_argument("--prompts", required=True, metavar="FILE", help=".txt (a prompt per line) or .jsonl (\"prompt\", "
+                   "optional \"negative_prompt\" and \"seed\" per line), e.g. --prompts eval.jsonl")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder, created if missing; a rerun into it "
+                   "skips finished lines, e.g. --out samples/base")
+    p.add_argument("--height", type=int, metavar="H", default=d.height, help=f"pixels (default {d.height}), e.g. --height 512")
+    p.add_argument("--width", type=int, metavar="W", default=d.width, help=f"pixels (default {d.width}), e.g. --width 768")
+    p.add_argument("--steps", type=int, metavar="N", default=d.steps, help=f"sampling steps (default {d.steps}), e.g. --steps 30")
+    p.add_argument("--guidance", type=float, metavar="G", default=d.guidance, help=f"true CFG scale, applied only with a negative "
+                   f"prompt (default {d.guidance}), e.g. --guidance 5")
+    p.add_argument("--negative-prompt", metavar="TEXT", help="negative prompt of the lines without their own; "
+                   "without one there is no CFG (the pipeline's rule), e.g. --negative-prompt ' '")
+    p.add_argument("--seed", type=int, metavar="S", default=d.seed, help=f"line i uses seed S + i (default {d.seed}), e.g. --seed 42")
+    p.add_argument("--batch-size", type=int, metavar="B", default=d.batch_size, help=f"lines per forward (default "
+                   f"{d.batch_size}; does not change an image), e.g. --batch-size 8")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype,
+                   help=f"model, text encoder and VAE dtype (default {d.dtype}), e.g. --dtype float32")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
+                   help=f"auto: CUDA when present (default {d.device}), e.g. --device cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, e.g. --quiet")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    options = GenerateOptions(args.height, args.width, args.steps, args.guidance, args.negative_prompt, args.seed,
+                              args.batch_size, args.dtype, args.device)
+    try:
+        done = generate(args.model, args.prompts, args.out, lora=args.lora, checkpoint=args.checkpoint,
+                        options=options, progress=not args.quiet)
+    except (ValueError, FileNotFoundError) as e:  # GenerateError, DatasetError, ConversionError, ExportError...
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"wrote {done.total - done.skipped} images ({done.skipped} skipped) and {MANIFEST}, {SHEET} to "
+              f"{done.out} in {done.seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
