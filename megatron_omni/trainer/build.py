@@ -31,7 +31,7 @@ from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines
 from megatron_omni.sync.updaters import EngineProcessUpdater, InProcessUpdater
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
-from model_specs.common.lora import apply_lora, disable_adapters, lora_modules
+from model_specs.common.lora import apply_lora, base_parameters, disable_adapters, lora_modules, target_name
 
 TextTable = dict[str, tuple[torch.Tensor, torch.Tensor]]  # prompt -> (emb [T, E], mask [T])
 
@@ -116,18 +116,45 @@ def _apply_lora(module: torch.nn.Module, cfg: RunConfig) -> None:
                cfg.model.family_impl.rules(module.arch), seed=cfg.train.seed)
 
 
-def _build_engine(cfg: RunConfig, state: ParallelState, task: Task):
+def shares_base(cfg: RunConfig, state: ParallelState) -> bool:
+    """Whether the in-process engine reads the policy's own frozen base weights (LoRA syncs on a whole TP=1 model:
+    the same tensors, so no second copy of the base, and only the adapters move)."""
+    return (cfg.sync.engine_placement == "in_process" and cfg.sync.resolved_mode(cfg.lora.rank) == "lora"
+            and state.tp == 1 and state.pp == 1 and state.cp == 1)
+
+
+def _engine_model(cfg: RunConfig, state: ParallelState, policy: Policy | None) -> torch.nn.Module:
+    """The in-process engine's denoiser (TP=1; adapters when syncs send them).  Sharing the policy's base, it is
+    built on the meta device and every base parameter is replaced by the policy's own; its adapters get storage
+    of their own, filled by the first sync."""
+    family, arch, dtype = cfg.model.family_impl, cfg.model.arch, cfg.model.torch_dtype
+    config = family.transformer_config(arch, 1, params_dtype=dtype, perform_initialization=False)
+    share = policy is not None and shares_base(cfg, state)
+    with torch.device("meta") if share else contextlib.nullcontext():
+        model = family.build(arch, config, state.tp_group, cfg.model.backend)
+    if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync
+        _apply_lora(model, cfg)
+    if not share:
+        return model.to(state.torch_device)
+    shared = base_parameters(policy.module)
+    for name, param in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        new = (torch.nn.Parameter(torch.empty_like(param, device=state.torch_device), requires_grad=False)
+               if leaf in ("lora_A", "lora_B") else shared[target_name(name)])
+        setattr(model.get_submodule(owner), leaf, new)
+    if left := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
+        raise RuntimeError(f"rollout model: {left[:3]} still on the meta device after sharing the policy's base")
+    return model
+
+
+def _build_engine(cfg: RunConfig, state: ParallelState, task: Task, policy: Policy | None = None):
     """The rollout engine of the run: in this process, or engine process(es) driven by trainer rank 0."""
     if cfg.sync.engine_placement == "in_process":
-        family, arch, dtype = cfg.model.family_impl, cfg.model.arch, cfg.model.torch_dtype
-        config = family.transformer_config(arch, 1, params_dtype=dtype, perform_initialization=False)
-        model = family.build(arch, config, state.tp_group, cfg.model.backend).to(state.torch_device)
-        if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync, the base once
-            _apply_lora(model, cfg)
+        model = _engine_model(cfg, state, policy)
         if cfg.rollout.compile:
             compile_blocks(model, cfg.rollout.compile)
         # the rollout section is the engine's config; the task draws initial noise as its pipeline does
-        return EmbeddedEngine(model, arch, task.encode, cfg.rollout, initial_noise=task.noise)
+        return EmbeddedEngine(model, cfg.model.arch, task.encode, cfg.rollout, initial_noise=task.noise)
     engines = None
     if state.rank == 0:
         s = cfg.sync
@@ -157,8 +184,10 @@ def engine_process(cfg: RunConfig, trainer_world: int, index: int) -> EmbeddedEn
 def _updater(cfg: RunConfig, policy: Policy, engine):
     s = cfg.sync
     kind = InProcessUpdater if s.engine_placement == "in_process" else EngineProcessUpdater
-    return kind(policy.module, policy.state.tp_group, engine, s.resolved_mode(cfg.lora.rank), s.bucket_mb << 20,
-                s.checksum)
+    updater = kind(policy.module, policy.state.tp_group, engine, s.resolved_mode(cfg.lora.rank), s.bucket_mb << 20,
+                   s.checksum)
+    updater.engine_has_base = shares_base(cfg, policy.state)  # the same tensors: nothing to send
+    return updater
 
 
 def _initial_weights(cfg: RunConfig, state: ParallelState):
@@ -203,7 +232,7 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     start = 0
     if resume and checkpointer.latest_step() is not None:
         start = checkpointer.load(policy.model, policy.optimizer)["step"] + 1
-    engine = _build_engine(cfg, state, task)
+    engine = _build_engine(cfg, state, task, policy)
     fns = {"reward": build_reward(cfg.reward.name)}
     if cfg.reward.judge:
         fns["judge"] = build_reward(cfg.reward.judge)

@@ -11,7 +11,7 @@ from megatron_omni.config import load_config
 from megatron_omni.data.tasks import build_task
 from megatron_omni.sync import HFExporter, SyncError, engine_side, updaters
 from megatron_omni.trainer.loop import train
-from model_specs.common.lora import peft_state_dict
+from model_specs.common.lora import base_parameters, peft_state_dict
 from tests.sync.workers import differing
 from tests.trainer.test_flow_grpo import TIMING, TINY
 
@@ -57,7 +57,11 @@ def test_merged_sync_with_an_engine_process_gives_the_in_process_run(runs):
 @pytest.mark.numerics
 def test_lora_sync_sends_the_base_once_then_adapters_only(runs):
     run, lora, modes = runs("lora", ["sync.mode=lora"])
-    assert modes == ["full", "lora", "lora", "lora"]  # the base once at the start, then the adapters each sync
+    # in process the engine reads the policy's own base tensors: only the adapters move, at every sync
+    assert modes == ["lora", "lora", "lora"]
+    engine_base, policy_base = base_parameters(run.engine.model), base_parameters(run.policy.module)
+    assert engine_base.keys() == policy_base.keys()
+    assert all(engine_base[n] is policy_base[n] for n in policy_base)
     # the engine holds the trainer's base weights and its adapters, bit for bit
     base = HFExporter(run.policy.module, run.policy.state.tp_group, mode="full").tensors()
     assert differing(engine_side.held(run.engine, "full"), {n: t.clone() for n, t in base}) == []
