@@ -222,8 +222,11 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     """The run, its weights pushed to the engines once, and the step to start from."""
     algorithm = get_algorithm(cfg.algorithm.name)
     torch.manual_seed(cfg.train.seed)  # random init (no weights configured) is then a function of the seed
-    policy = build_policy(cfg.model.arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad,
-                          dtype=cfg.model.torch_dtype, backend=cfg.model.backend, prepare=_initial_weights(cfg, state))
+    # built on its device: megatron's seeded "CPU" initialisation then draws there (seconds, not minutes, at 20 B)
+    with torch.device(state.torch_device):
+        policy = build_policy(cfg.model.arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad,
+                              dtype=cfg.model.torch_dtype, backend=cfg.model.backend,
+                              prepare=_initial_weights(cfg, state))
     if cfg.train.compile:
         compile_policy(policy, cfg.train.compile)
     # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not
