@@ -125,6 +125,7 @@ def _check_against_reference(results, where):
         assert r["grads"][worst] <= TOL, (where, name, worst)
 
 
+@pytest.mark.numerics
 def test_lora_tp1_and_tp2_equal_the_hand_reference_and_each_other(single_rank):
     tp1 = _lora_cases(single_rank.tp_group)
     _check_against_reference(tp1, "TP=1")
@@ -158,6 +159,7 @@ def _peft_grads(ref):
             for n, p in ref.named_parameters() if "lora_" in n}
 
 
+@pytest.mark.numerics
 def test_lora_equals_diffusers_with_peft(single_rank):
     pytest.importorskip("peft")
     arch = tiny_config()
@@ -180,6 +182,7 @@ def test_fused_qkv_targets_and_names(single_rank):
         resolve_targets(qwen_image_rules(arch), ["to_q", "to_z"])
 
 
+@pytest.mark.numerics
 def test_freeze_disable_merge(single_rank):
     arch = tiny_config()
     img, txt, sigma, mask = make_inputs(arch, 2, 5, FHW, [0, 2])

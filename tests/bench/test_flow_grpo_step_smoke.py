@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.numerics  # trainer log-probs against the rollout's, ours and the diffusers + peft loop
 
 
 def test_smoke_prints_the_table():

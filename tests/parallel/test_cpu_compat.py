@@ -79,6 +79,7 @@ def test_layer_is_applied_once(per_rank):
         assert r["current_device"] == "cpu"
 
 
+@pytest.mark.numerics
 def test_current_device_column_parallel_gather_output_at_tp2(per_rank):
     for r in per_rank:
         case = r["column_parallel"]
@@ -117,12 +118,14 @@ def test_checkpoint_saved_at_tp2_loads_exactly_at_tp1(per_rank):
         assert r["checkpoint_load"] == {"weight_equal": True, "bias_equal": True}
 
 
+@pytest.mark.numerics
 def test_ddp_finish_grad_sync_averages_over_dp(per_rank):
     for r in per_rank:
         _assert_fails_without(r["ddp"]["without"], "distributed/param_and_grad_buffer.py")
         assert r["ddp"]["main_grad_vs_mean_grad"] < 1e-6
 
 
+@pytest.mark.numerics
 def test_schedule_pp1_with_custom_loss_func(per_rank):
     for r in per_rank:
         case = r["schedule"]
@@ -132,6 +135,7 @@ def test_schedule_pp1_with_custom_loss_func(per_rank):
         assert case["grad_diff"] < 1e-6
 
 
+@pytest.mark.numerics
 def test_distributed_optimizer_matches_plain_adam_with_clipping(per_rank):
     for r in per_rank:
         case = r["optimizer"]

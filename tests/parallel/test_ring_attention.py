@@ -48,6 +48,7 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.numerics
 def test_flash_ring_equals_float32_ring_3_ranks():
     for rank, res in enumerate(run_distributed(_ring_worker, world_size=3)):
         (out_f, grads_f), (out_m, grads_m) = res[True], res[False]

@@ -1,6 +1,7 @@
 """USP (Ulysses x ring) context parallelism: forward and gradient parity of the Qwen-Image model at CP=2
 (Ulysses only, ring only), TP=2 x CP=2 and CP=4 (2 x 2) with the single-process TP=1 model, float32,
 on 4 gloo ranks in ONE launch (layouts are re-initialised on the same processes)."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -13,6 +14,8 @@ from model_specs.qwen_image.spec import qwen_image_block_spec
 from tests.qwen_image_reference import (
     diffusers_reference, make_inputs, megatron_from_reference, rel_err, tiny_config,
 )
+
+pytestmark = pytest.mark.numerics  # CP / TP layouts against the TP=1 model in float32
 
 TOL = 1e-5
 # (batch, text_len, token grid (frames, height, width), padding tokens per sample or None); image tokens

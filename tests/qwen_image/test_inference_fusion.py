@@ -46,6 +46,7 @@ def _forward(model, img, txt, sigma):
         return model(img, txt, sigma, FHW, None)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
 def test_fused_equals_megatron_mlp(single_rank, lora):
     model = _model(single_rank, lora)
@@ -86,6 +87,7 @@ def test_training_keeps_megatrons_path(single_rank):
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.numerics
 def test_unfusable_mlp_keeps_megatrons_path_or_raises(single_rank):
     model = _model(single_rank, False, activation_func=torch.nn.functional.silu)
     img, txt, sigma = _inputs()
@@ -109,6 +111,7 @@ def _tp2_fused_vs_plain(state):
     return fused_count, ((fused - plain).norm() / plain.norm()).item()
 
 
+@pytest.mark.numerics
 def test_fused_equals_plain_at_tp2():
     """Column-parallel fc1 / QKV shards (heads split over TP) and the row-parallel all-reduce after them."""
     from megatron_omni.parallel.testing import run_distributed

@@ -33,6 +33,7 @@ def _inputs(batch=3):
                                                                               generator=g)
 
 
+@pytest.mark.numerics
 def test_table_rows_equal_the_computed_modulation(model):
     img, txt = _inputs()
     with torch.no_grad():

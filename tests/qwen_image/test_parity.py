@@ -61,6 +61,7 @@ def test_mapping_table_names_every_parameter_once(single_rank):
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
 
 
+@pytest.mark.numerics
 def test_forward_and_gradient_parity_tp1(single_rank):
     arch = tiny_config()
     ref = diffusers_reference(arch)
@@ -80,6 +81,7 @@ def _tp2_worker(state):
     return forward_errs, grad_errs
 
 
+@pytest.mark.numerics
 def test_forward_and_gradient_parity_tp2():
     for rank, (forward_errs, grad_errs) in enumerate(run_distributed(_tp2_worker, 2, parallel={"tp": 2})):
         print(f"TP=2 rank {rank} forward rel err per case:", forward_errs, "max grad:", max(grad_errs.values()))
@@ -100,6 +102,7 @@ def test_bad_inputs_name_the_shape(single_rank):
         model(img, txt, sigma[:1], (1, 4, 4), mask)
 
 
+@pytest.mark.numerics
 def test_bf16_forward_parity_on_cpu(single_rank):
     """bf16 rounding must follow diffusers' (sigma rounded to the model dtype, float32 sinusoid table)."""
     arch = tiny_config()

@@ -62,6 +62,7 @@ def test_cache_is_reused_and_training_is_deterministic(reward, digit_cache, tmp_
         torch.testing.assert_close(retrained[name], value, rtol=0, atol=0, msg=f"{name} differs")
 
 
+@pytest.mark.numerics
 def test_image_formats_agree(reward, split):
     x16 = split.images[:8]  # float [8, 16, 16]
     prompts = _prompts(split.labels[:8])

@@ -72,12 +72,13 @@ def _assert_same(a, b):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.numerics
 def test_batched_and_one_by_one_rollouts_agree(model):
     """Batching changes no random number, padding or window (per-request generators, per-request text
-    buckets).  What remains is the CPU BLAS: its sgemm rows are bit-identical for any M >= 4 rows, but
+    buckets).  What remains is the CPU BLAS: here its sgemm rows are bit-identical for any M >= 4 rows, but
     the [B, H] conditioning linears (timestep MLP, adaLN) of a forward with B < 4 rows take another
-    kernel and differ in the last bit.  So: bitwise equal between batchings of >= 4 rows (next test),
-    and within float32 rounding (measured max |Δ| 9e-5 on latents up to 26, log-probs equal) for 1-2 rows."""
+    kernel and differ in the last bit.  So: within float32 rounding (measured max |Δ| 9e-5 on latents up
+    to 26, log-probs equal) for 1-2 rows, and between batchings of >= 4 rows (next test)."""
     encoder = ToyEncoder()
     engine = EmbeddedEngine(model, ARCH, encoder, EngineConfig(max_num_seqs=8, text_pad_multiple=PAD))
     reqs = _requests()
@@ -101,16 +102,29 @@ def test_batched_and_one_by_one_rollouts_agree(model):
     assert not torch.equal(batched[0].latents, batched[2].latents)  # same prompt, other seed
 
 
-def test_batch_composition_is_bitwise_invariant_at_four_rows_or_more(model):
+@pytest.mark.numerics
+def test_batch_composition_is_invariant_at_four_rows_or_more(model):
+    """8 rows vs 2 x 4 rows, requests in the other order.  On the machines measured (AMD EPYC, an AVX-512 Xeon) the
+    trajectories are bitwise equal; that is a property of the CPU's BLAS, not of the engine (another CPU or BLAS
+    may block 4 and 8 rows otherwise), so only what the engine decides is asserted exactly (windows, trained steps)
+    and the float32 samples within the rounding bound of the 1-2 row test above.  A request that drew another
+    request's noise, took its text or window moves its latents by O(1)."""
     reqs = [r for r in _requests() if r.guidance_scale > 1]  # 4 CFG requests
     whole = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=4, text_pad_multiple=PAD)).generate(
         reqs)  # 8 rows
     pairs = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=2, text_pad_multiple=PAD)).generate(
         reqs[::-1])  # 4 rows
+    bitwise = True
     for a, b in zip(whole, pairs[::-1]):
-        _assert_same(a, b)
+        assert a.request is b.request and a.window_start == b.window_start
+        assert torch.equal(a.sigmas, b.sigmas) and torch.equal(a.trained, b.trained)
+        torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=2e-4)
+        torch.testing.assert_close(a.log_probs, b.log_probs, rtol=1e-5, atol=1e-5)
+        bitwise &= torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
+    print(f"8 rows vs 4 rows: bitwise equal {bitwise}")
 
 
+@pytest.mark.numerics
 def test_default_layout_runs_each_text_branch_unpadded_and_unmasked(model):
     """text_pad_multiple=1 (the default): real tokens only.  A request's prompt and negative prompt differ in
     length, so its cond and uncond rows run as two forwards, neither masked; requests share a batch only with
@@ -258,6 +272,7 @@ def test_sleep_and_wake_are_no_ops_on_cpu(model):
     assert traj.latents.shape[0] == 3 and next(model.parameters()).device.type == "cpu"
 
 
+@pytest.mark.numerics
 def test_kept_uncond_velocity_is_the_one_the_rollout_combined(model):
     """keep_uncond_velocity: per trained step the uncond output, float32 [K, S_I, C]; with the cond output of
     the same step it reproduces the rollout's step (its log-prob); other requests keep nothing."""

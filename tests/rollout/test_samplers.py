@@ -102,6 +102,7 @@ LOG_PROB_CASES = [(kind, form, step) for kind, form in (("sde", "gaussian"), ("c
                   for step in (0, 4, 9) if not (kind, form, step) == ("cps", "gaussian", 9)]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("kind, form, step", LOG_PROB_CASES)
 def test_log_prob_matches_an_independent_float64_gaussian(kind, form, step):
     x, v, z = _random_step(seed=step)

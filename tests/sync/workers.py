@@ -204,10 +204,24 @@ def merged_reference(ref_hf: dict, adapters: dict) -> dict:
     return out
 
 
-def differing(held: dict, ref: dict) -> list[str]:
-    """Names missing on one side or not bit-equal."""
-    unequal = {n for n in held.keys() & ref.keys() if not torch.equal(held[n], ref[n])}
+def differing(held: dict, ref: dict, rtol: float = 0.0) -> list[str]:
+    """Names missing on one side or not bit-equal; with ``rtol``, not within ``rtol`` of the tensor's largest
+    magnitude (for a reference computed otherwise than what was sent, see ``_pp_cases``)."""
+    def same(a, b):
+        if rtol == 0.0:
+            return torch.equal(a, b)
+        return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, rtol=0.0, atol=rtol * b.abs().max())
+
+    unequal = {n for n in held.keys() & ref.keys() if not same(held[n], ref[n])}
     return sorted((held.keys() ^ ref.keys()) | unequal)
+
+
+# merged weights at TP=2: the trainer forms (alpha / r) B A per shard (B split by rows for a column-parallel linear,
+# A by columns for a row-parallel one), the reference over the whole matrices: float32 GEMMs of another shape (K = 4),
+# so a product can round to the neighbouring float (~1e-7 of |W|).  1e-6 of the largest entry; a bucket chunk
+# written at the wrong offset, q / k / v swapped, an adapter missing or a bf16 wire moves entries by >= 1e-3 of it.
+# The full weights, and merged ones at TP=1 (the same GEMMs as the reference's), stay bit for bit.
+MERGED_TP_RTOL = 1e-6
 
 
 def _restart_link(state, link) -> None:
@@ -243,10 +257,11 @@ def _pp_cases(state, ref_hf: dict, sender, restart: bool = False) -> dict:
         wrap = wrong and sender is not None and state.pp_rank == 1
         return push_weights(sender, WrongShape(exporter) if wrap else exporter, bucket, checksum=True)
 
+    rtol = {"full": 0.0, "merged": MERGED_TP_RTOL if state.tp > 1 else 0.0}
     for mode, bucket in (("full", 64 << 10), ("merged", 16 << 10)):
         out[mode] = push(mode, bucket)
         if engines is not None:
-            out[mode]["differing"] = [differing(h, refs[mode]) for h in engines.held("full")]
+            out[mode]["differing"] = [differing(h, refs[mode], rtol[mode]) for h in engines.held("full")]
             out[mode]["largest"] = max(t.numel() * t.element_size() for t in refs[mode].values())
     try:
         push("full", 64 << 10, wrong=True)
@@ -254,7 +269,7 @@ def _pp_cases(state, ref_hf: dict, sender, restart: bool = False) -> dict:
     except SyncError as e:
         out["wrong_shape"] = str(e)
     if engines is not None:  # still the merged weights of the sync before
-        out["unchanged"] = [differing(h, refs["merged"]) for h in engines.held("full")]
+        out["unchanged"] = [differing(h, refs["merged"], rtol["merged"]) for h in engines.held("full")]
         out["adapted"] = len(differing(refs["merged"], ref_hf))  # tensors the merge changed
     if restart:
         if sender is not None:

@@ -33,6 +33,7 @@ def _inputs(arch):
     return torch.randn(2, 16, arch.in_channels, generator=g), torch.randn(2, 8, arch.joint_attention_dim, generator=g)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("layers, per_graph", [(2, 1), (3, 2)])
 def test_compiled_blocks_equal_eager_rollout_and_lora_training(single_rank, layers, per_graph):
     """One block per graph, and two (3 blocks: a slice of 2, then a slice of 1)."""
@@ -166,6 +167,7 @@ def _tp2_compiled_vs_eager(state):
             {k: dict(v) for k, v in counters.items()})
 
 
+@pytest.mark.numerics
 def test_compiled_blocks_at_tp2_have_no_graph_break():
     """megatron-core's column-parallel linear all-reduces its input gradient with async_op=True, which dynamo
     cannot trace (a break at every column-parallel linear: 30 for these 2 blocks); compile_blocks switches it to
