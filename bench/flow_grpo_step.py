@@ -1,119 +1,228 @@
-"""One FlowGRPO step of the VeRL-Omni Qwen-Image OCR recipe's shape on a full-size random-init Qwen-Image DiT
-(20.4 B, bf16), ours beside the diffusers + peft peer loop, on one GPU in one run.  Prints one table.
+"""One FlowGRPO step of ``megatron-omni train --recipe qwen_image_flow_grpo`` (VeRL-Omni's Qwen-Image OCR recipe)
+at one GPU's share of its shape, timed as the product runs it, beside the diffusers + peft peer loop.  One table.
 
-    python bench/flow_grpo_step.py [--steps 5] [--group 16] [--prompts 1] [--compile default]
-                                   [--compile-train default] [--micro-batch 4] [--skip-reference] [--no-reuse-uncond]
-    python bench/flow_grpo_step.py --smoke      # tiny model on the CPU: checks the script runs; times mean nothing
-    torchrun --nproc-per-node=2 bench/flow_grpo_step.py --compile default --compile-train default
-                                                # data parallel: weak scaling, 16 images per GPU
+    python bench/flow_grpo_step.py [--model DIR | --layers 60 --text-layers 28 --build-dir DIR] [--steps 5]
+                                   [--group 16] [--prompts 1] [--micro-batch 4] [--compile default]
+                                   [--compile-train default] [--reward NAME] [--no-reuse-uncond]
+                                   [--skip-reference] [--profile]
+    python bench/flow_grpo_step.py --smoke      # tiny folder on the CPU: checks the script runs; times mean nothing
 
-Recipe: 512x512 (1024 image tokens, 64 packed channels) + 128 text tokens, 10 rollout steps (SDE noise 1.2),
-true CFG 4 (cond + uncond rows in one forward), an SDE window of 2 steps inside steps 0..4, group 16 per
-prompt, LoRA r64 / alpha 128 on the 12 usual linears (424.7 M params), training micro-batches of 4 (sample,
-step) pairs (ours: ``--micro-batch``; the reference keeps 4), one optimizer step per RL step, clip 1e-5, lr 3e-4.
+Ours is the product: the run config is the ``qwen_image_flow_grpo`` recipe (megatron_omni.config.load_config) with
+this bench's shape as overrides -- prompts_per_step 1 x group 16 (16 images), 512x512, 10 steps, true CFG 4, an
+SDE window of 2 steps, LoRA r64 / alpha 128, micro-batches of 4 pairs, one optimizer step per RL step
+(global batch = the step's 32 pairs); ``--compile`` / ``--compile-train`` set rollout.compile / train.compile.
+``megatron_omni.trainer.build.build_run`` builds the run from a pipeline folder (model.path, data.task=pipeline:
+the family's text encoder, VAE, schedule and initial noise) and ``megatron_omni.trainer.loop.rl_step`` runs one
+warm-up step, then ``--steps`` timed ones; the table shows the medians of the loop's own metrics:
+* the loop's phases, rollout_seconds (text encoding, the engine's sampling, VAE decode, reward submission),
+  reward_seconds (the log-prob check and the wait for the reward threads: they overlap), train_seconds,
+  sync_seconds (the LoRA weight update of the engine), and step_seconds (end to end);
+* DiT side = rollout + train + sync; TFLOP per step, TFLOP/s, MFU and images/s are the loop's own
+  (tflops_per_second x step_seconds = the algorithm's FLOP count of the step, LoRA adapters and the log-prob
+  check included); the DiT side's rate is that count over its seconds.
+The pipeline folder: ``--model DIR`` (a real Qwen-Image snapshot or a folder built before), else a random-init
+folder with Qwen-Image's shapes is written first (megatron_omni.testing.tiny_pipelines.
+build_full_size_qwen_image_pipeline: the transformer at ``--layers`` blocks, 60 = Qwen-Image 20.4 B, ~41 GB in
+bf16; a Qwen2.5-VL-7B-shaped text encoder at ``--text-layers``, 28 = ~13 GB; the VAE at Qwen-Image's config) into
+``--build-dir`` (kept, for ``--model`` next time) or a temporary folder (deleted after).  Mind the disk: ~55 GB
+at full size (a 64 GiB disk barely holds it; ``--layers 30`` halves the transformer).  With LoRA the product's
+in-process engine reads the policy's own base tensors (one 41 GB copy on the GPU at 60 blocks).  The full-size
+GPU run is not exercised by the tests and has not been run from this version (no GPU where it was written);
+``--smoke`` (tests/bench/test_flow_grpo_step_smoke.py) writes a tiny folder (build_qwen_image_pipeline) and runs
+it on the CPU in float32 at 64x64 with group 4.
 
-Each loop runs one warm-up step, then ``--steps`` timed steps; the table shows medians, every phase timed
-with the device synchronised at both ends.
-* ours: text encoding -> rollout -> VAE decode -> reward -> train -> LoRA weight sync (bench/_flow_grpo_ours.py);
-  DiT side = rollout + train + sync, end to end = all six, one after the other (nothing overlapped).
-* reference: rollout -> train, DiT side only (bench/_flow_grpo_reference.py).  The two models are never
-  resident together: ours is freed before the reference is built.
-MFU counts the work each loop runs (megatron_omni.trainer.mfu.varlen_step_flops with the Qwen-Image FLOP
-counters, each row at its text length: 26 forwards per image, 24 for ours when it reuses the rollout's uncond
-outputs in training (the default; --no-reuse-uncond recomputes them); the LoRA adapters' FLOPs counted, and a
-note gives the base model's alone) against the measured bf16 peak (792 TFLOP/s on an H200, docs/benchmarks.md).
-``--negative-tokens N`` gives the negative prompt N tokens (default: as many as a prompt, docs/benchmarks.md's shape):
-ours then runs cond and uncond rows as two unpadded forwards, the reference as diffusers' pipeline does (two).
+The reward is the recipe's (``ocr``: tesseract) unless ``--reward`` names another; where tesseract is not
+installed (the GPU machine) it falls back to ``jpeg_compressibility`` with a note.
+
+Reference: the diffusers + peft loop (bench/_flow_grpo_reference.py), rollout -> train, DiT side only, on the same
+transformer config at the text lengths ours ran (random embeddings, no text encoder, VAE or reward).  The two
+models are never resident together: ours is freed before the reference is built.  Its MFU counts its work with the
+same FLOP counters (26 forwards per image: it recomputes the uncond rows in training).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import statistics
+import tempfile
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts: less fragmentation
 
 import torch  # noqa: E402
 
 import megatron_omni  # noqa: E402,F401  (quiet upstream notices)
-from _flow_grpo_parts import (EndToEnd, Recipe, free_device_memory, make_recipe, medians, peak_gib,  # noqa: E402
-                              phase_flops)
+from _flow_grpo_parts import Recipe, free_device_memory, make_recipe, medians, peak_gib, phase_flops  # noqa: E402
 from megatron_omni.trainer.mfu import device_peak_flops  # noqa: E402
 
-OURS_PHASES = ("text", "rollout", "decode", "reward", "train", "sync")
+RECIPE = "qwen_image_flow_grpo"
+PHASES = ("rollout", "reward", "train", "sync")  # megatron_omni.trainer.loop.rl_step's <phase>_seconds
 DIT_PHASES = ("rollout", "train", "sync")
+WINDOW, NUM_STEPS, GUIDANCE, LORA_RANK, LORA_ALPHA = 2, 10, 4.0, 64, 128
+SMOKE_SIZE, SMOKE_GROUP = 64, 4
 
 
 @dataclass
 class LoopResult:
     name: str
     seconds: dict[str, float] = field(default_factory=dict)  # medians per phase, and "dit" / "e2e" totals
-    metrics: dict[str, float] = field(default_factory=dict)  # of the last timed step
+    metrics: dict[str, float] = field(default_factory=dict)  # ours: medians of the loop's metrics; ref: last step's
+    last: dict[str, float] = field(default_factory=dict)  # the last timed step's metrics
     notes: list[str] = field(default_factory=list)
     error: str | None = None
-    reused_uncond: bool = False  # trained on the rollout's uncond outputs (no uncond forward in 'train')
+    flops: float | None = None  # DiT FLOPs per step (ours: the loop's count)
+    phase_flops: dict[str, float] = field(default_factory=dict)  # the reference's, by phase
 
 
-def _timed_steps(step_fn, steps: int, result: LoopResult, phases: tuple[str, ...]) -> None:
-    timed = []
-    for step in range(steps + 1):  # step 0 warms up
-        seconds, result.metrics = step_fn(step)
-        seconds["dit"] = sum(seconds.get(p, 0.0) for p in DIT_PHASES)
-        seconds["e2e"] = sum(seconds[p] for p in phases)
-        if step:
-            timed.append(seconds)
-    result.seconds = medians(timed)
+# ---- the pipeline folder ---------------------------------------------------------------------------------
+
+def pipeline_folder(args, scratch: Path) -> tuple[Path, str]:
+    """(model.path, what it is): ``--model``, a tiny folder (``--smoke``) or a full-size-shaped random one."""
+    from megatron_omni.testing.tiny_pipelines import build_full_size_qwen_image_pipeline, build_qwen_image_pipeline
+
+    if args.model:
+        return Path(args.model), f"pipeline folder {args.model}"
+    start = time.perf_counter()
+    if args.smoke:
+        folder = build_qwen_image_pipeline(scratch / "tiny_qwen_image", seed=0)
+        return folder, f"tiny random QwenImagePipeline folder (build_qwen_image_pipeline, {_secs(start)})"
+    out = Path(args.build_dir) if args.build_dir else scratch / "qwen_image_random"
+    folder = build_full_size_qwen_image_pipeline(out, layers=args.layers, text_layers=args.text_layers,
+                                                 device=torch.device("cuda", torch.cuda.current_device()))
+    return folder, (f"random QwenImagePipeline folder with Qwen-Image's shapes ({args.layers} transformer blocks, "
+                    f"{args.text_layers} text-encoder layers; build_full_size_qwen_image_pipeline, {_secs(start)}, "
+                    f"{_disk_gb(folder):.1f} GB on disk{', kept at ' + str(folder) if args.build_dir else ''})")
 
 
-def _profile(ours, e2e, step: int) -> None:
-    """One more step with the host's waits for the device listed, then one more rollout under the profiler
-    (kernels by kind, the GPU's busy fraction of the wall time: what the rollout loop adds to its forwards)."""
-    from _flow_grpo_ours import ours_step, rollout, step_prompts
-    from _flow_grpo_parts import encode_step
+def _secs(start: float) -> str:
+    return f"written in {time.perf_counter() - start:.1f} s"
+
+
+def _disk_gb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e9
+
+
+def reward_name(args) -> tuple[str, str | None]:
+    """The reward and a note when it is not the recipe's."""
+    from megatron_omni.config.recipes import get_recipe
+
+    recipe_reward = get_recipe(RECIPE).reward.name
+    if args.reward:
+        return args.reward, None if args.reward == recipe_reward else f"reward {args.reward} (--reward; the recipe's: " \
+                                                                     f"{recipe_reward})"
+    if recipe_reward == "ocr" and shutil.which("tesseract") is None:
+        return "jpeg_compressibility", ("reward jpeg_compressibility: tesseract (the recipe's ocr reward) is not "
+                                        "installed here")
+    return recipe_reward, None
+
+
+def run_config(args, folder: Path, run_dir: Path, reward: str, steps: int):
+    """The recipe with this bench's shape as overrides."""
+    from megatron_omni.config import load_config
+
+    size = SMOKE_SIZE if args.smoke else 512
+    overrides = [f"model.path={folder}", f"data.height={size}", f"data.width={size}",
+                 f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+                 f"rollout.num_steps={NUM_STEPS}", f"rollout.guidance_scale={GUIDANCE}", f"rollout.window_size={WINDOW}",
+                 f"lora.rank={LORA_RANK}", f"lora.alpha={LORA_ALPHA}", f"train.micro_batch_size={args.micro_batch}",
+                 f"train.global_batch_size={args.prompts * args.group * WINDOW}",  # one optimizer step per RL step
+                 f"train.steps={steps}", "train.eval_every=0", "train.save_every=0", f"train.output_dir={run_dir}",
+                 "logging.wandb_mode=disabled", f"reward.name={reward}"]
+    if args.smoke:
+        overrides += ["model.dtype=float32", "parallel.device=cpu", "data.eval_prompts=4"]
+    if args.compile:
+        overrides.append(f"rollout.compile={args.compile}")
+    if args.compile_train:
+        overrides.append(f"train.compile={args.compile_train}")
+    if args.no_reuse_uncond:
+        overrides.append("algorithm.reuse_rollout_uncond=false")
+    return load_config(RECIPE, None, overrides)
+
+
+# ---- the loops -------------------------------------------------------------------------------------------
+
+def _text_lengths(run, step: int) -> tuple[float, int]:
+    """(mean prompt tokens, negative prompt tokens) of a step's requests, as the loop encoded them."""
+    def tokens(prompt: str) -> int:
+        emb, mask = run.text_cache[prompt]
+        return emb.shape[0] if mask is None else int(mask.sum())
+
+    requests = run.algorithm.requests(run, step)
+    return statistics.mean(tokens(r.prompt) for r in requests), tokens(requests[0].negative_prompt)
+
+
+def run_ours(cfg, steps: int, profile: bool) -> tuple[LoopResult, dict]:
+    """The product's loop: build_run, then rl_step; (result, the shape it ran for the reference)."""
+    from megatron_omni.data.tasks import task_for
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+    from megatron_omni.trainer.build import build_run
+    from megatron_omni.trainer.loop import rl_step
+    from megatron_omni.trainer.run import check_loop_layout, check_task_fits
+
+    compiled = ", ".join(f"{what}: {mode}" for what, mode in (("rollout", cfg.rollout.compile),
+                                                               ("train", cfg.train.compile)) if mode)
+    reuse = cfg.algorithm.reuse_rollout_uncond
+    result = LoopResult("ours: megatron-omni train's rl_step" + (f" (compiled {compiled})" if compiled else " (eager)")
+                        + ("" if reuse else ", uncond recomputed"))
+    check_loop_layout(cfg)
+    state = init_parallel(tp=cfg.parallel.tp, seed=cfg.train.seed, device=cfg.parallel.device)
+    run, shape, device = None, {}, state.torch_device
+    try:
+        start = time.perf_counter()
+        task = task_for(cfg, state.torch_device)
+        check_task_fits(cfg, task)
+        loaded = time.perf_counter()
+        run, first = build_run(cfg, state, task, Path(cfg.train.output_dir), resume=False)
+        built = time.perf_counter()
+        timed = []
+        for step in range(first, first + steps + 1):  # the first step warms up (and compiles)
+            metrics = rl_step(run, step)["metrics"]
+            if step == first:
+                warm = metrics["step_seconds"]
+                continue
+            metrics["dit_seconds"] = sum(metrics[f"{p}_seconds"] for p in DIT_PHASES)
+            metrics["step_flops"] = metrics["tflops_per_second"] * 1e12 * metrics["step_seconds"]
+            timed.append(metrics)
+        keys = [k for k in timed[0] if isinstance(timed[0][k], (int, float))]
+        result.metrics, result.last = medians([{k: float(m[k]) for k in keys} for m in timed]), timed[-1]
+        result.seconds = {p: result.metrics[f"{p}_seconds"] for p in PHASES}
+        result.seconds.update(dit=result.metrics["dit_seconds"], e2e=result.metrics["step_seconds"])
+        result.flops = result.metrics["step_flops"]
+        trainable = sum(p.numel() for p in run.policy.module.parameters() if p.requires_grad)
+        result.notes.append(f"ours ready in {built - start:.1f} s: the task (text encoder, VAE: data.task=pipeline) "
+                            f"{loaded - start:.1f} s, build_run {built - loaded:.1f} s (policy with LoRA "
+                            f"{trainable / 1e6:.1f} M trainable params, optimizer, engine, first weight push); "
+                            f"warm-up step {warm:.1f} s" + (" (compile included)" if compiled else ""))
+        prompt_tokens, negative_tokens = _text_lengths(run, first + steps)
+        shape = dict(arch=cfg.model.arch, img_fhw=task.img_fhw, text_tokens=round(prompt_tokens),
+                     negative_tokens=negative_tokens)
+        result.notes.append(f"ours: {len(task.prompts)} training prompts (the packaged OCR set less "
+                            f"{len(task.eval_prompts)} held out), the last step's {prompt_tokens:.0f} prompt tokens "
+                            f"on average, {negative_tokens} for the negative prompt; image grid {task.img_fhw}")
+        if profile and device.type == "cuda":
+            _profile(run, rl_step, first + steps + 1)
+    except torch.OutOfMemoryError as e:
+        result.error = f"out of memory ({str(e).splitlines()[0]}); --layers N / --text-layers N shrink the model"
+    finally:
+        if run is not None:
+            run.close()
+        del run
+        destroy_parallel()
+    result.notes += _memory_note("ours")
+    free_device_memory(device)
+    return result, shape
+
+
+def _profile(run, rl_step, step: int) -> None:
+    """One more step with the host's waits for the device listed, then one more under the profiler."""
     from _profile import profile_kernels, sync_points
 
-    print("--- ours, one more step: where the host waits for the device ---")
-    sync_points(lambda: ours_step(ours, e2e, step))
-    prompts = step_prompts(ours, step + 1)
-    emb_PTE, neg_TE = encode_step(e2e.text, ours.recipe, prompts)
-    profile_kernels(lambda: rollout(ours, prompts, emb_PTE, neg_TE, step + 1), "ours, one more rollout", top=14,
-                    host=True)
-
-
-def run_ours(recipe: Recipe, steps: int, compile_mode: str | None, compile_train: str | None = None,
-             profile: bool = False) -> LoopResult:
-    from _flow_grpo_ours import build_ours, ours_step
-    from megatron_omni.parallel.state import destroy_parallel, init_parallel
-
-    compiled = ", ".join(f"{what}: {mode}" for what, mode in (("rollout", compile_mode), ("train", compile_train))
-                         if mode)
-    result = LoopResult("ours" + (f" (compiled {compiled})" if compiled else " (eager)")
-                        + ("" if recipe.reuse_uncond else ", uncond recomputed"), reused_uncond=recipe.reuse_uncond)
-    state = init_parallel(device=recipe.device.type, seed=0)
-    ours = e2e = None
-    try:
-        ours = build_ours(recipe, state, compile_mode, compile_train)
-        build, first = ours.build_seconds, ours.first_forward_seconds
-        result.notes.append(f"ours ready in {build + first:.1f} s: build {build:.1f} s (policy with LoRA "
-                            f"{ours.trainable_params / 1e6:.1f} M params, DDP + optimizer, the engine's view of the "
-                            f"base, first LoRA sync), first rollout forward {first:.1f} s"
-                            + (" (compile included)" if compile_mode else ""))
-        e2e = EndToEnd.build(recipe)
-        result.notes += e2e.describe()
-        _timed_steps(lambda step: ours_step(ours, e2e, step), steps, result, OURS_PHASES)
-        if profile and recipe.device.type == "cuda":
-            _profile(ours, e2e, steps + 1)
-    except torch.OutOfMemoryError as e:
-        result.error = (f"out of memory ({str(e).splitlines()[0]}); --text-layers N shrinks the text encoder "
-                        f"(14 GB at 28 layers)")
-    finally:
-        if e2e is not None:
-            e2e.reward.close()
-        del ours, e2e
-        destroy_parallel()
-    result.notes += _memory_note(result.name, recipe)
-    free_device_memory(recipe.device)
-    return result
+    print("--- ours, one more RL step: where the host waits for the device ---")
+    sync_points(lambda: rl_step(run, step))
+    profile_kernels(lambda: rl_step(run, step + 1), "ours, one more RL step", top=14, host=True)
 
 
 def run_reference(recipe: Recipe, steps: int) -> LoopResult:
@@ -123,18 +232,26 @@ def run_reference(recipe: Recipe, steps: int) -> LoopResult:
     ref = None
     try:
         ref = build_reference(recipe)
-        _timed_steps(lambda step: reference_step(ref, step), steps, result, ("rollout", "train"))
+        timed = []
+        for step in range(steps + 1):  # step 0 warms up
+            seconds, result.last = reference_step(ref, step)
+            seconds["dit"] = seconds["rollout"] + seconds["train"]
+            if step:
+                timed.append(seconds)
+        result.seconds = medians(timed)
+        result.phase_flops = phase_flops(recipe)
+        result.flops = result.phase_flops["rollout"] + result.phase_flops["train"]
     except torch.OutOfMemoryError as e:
         result.error = f"out of memory: {str(e).splitlines()[0]}"
     finally:
         del ref
-    result.notes += _memory_note(result.name, recipe)
+    result.notes += _memory_note(result.name)
     free_device_memory(recipe.device)
     return result
 
 
-def _memory_note(name: str, recipe: Recipe) -> list[str]:
-    peak = peak_gib(recipe.device)
+def _memory_note(name: str) -> list[str]:
+    peak = peak_gib(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     return [f"{name}: peak {peak:.1f} GiB allocated"] if peak is not None else []
 
 
@@ -144,71 +261,74 @@ def _tera(value: float) -> str:
     return f"{value / 1e12:.0f}" if value > 1e12 else f"{value / 1e12:.2g}"  # the smoke model's are tiny
 
 
-def _row(table, loop: str, phase: str, seconds: float, flops: float | None, peak: float | None,
-         images: float | None = None) -> None:
-    """One phase: seconds, and where it runs the DiT, its FLOPs, rate and MFU; images/s on the totals."""
+def _row(table, loop: str, phase: str, seconds: float, flops: float | None = None, peak: float | None = None,
+         images: int | None = None, mfu: float | None = None) -> None:
     cells = [""] * 3
     if flops:
-        cells = [_tera(flops), _tera(flops / seconds), f"{flops / seconds / peak:.1%}" if peak else "-"]
+        rate = flops / seconds
+        mfu = rate / peak if mfu is None and peak else mfu
+        cells = [_tera(flops), _tera(rate), f"{mfu:.1%}" if mfu is not None else "-"]
     table.add_row(loop, phase, f"{seconds:.3f}", *cells, f"{images / seconds:.3f}" if images else "")
 
 
-def _metrics_note(result: LoopResult) -> str:
-    """The last step's loss metrics: rollout and trainer log-probs agree when ratio = 1 and nothing is clipped."""
-    m = dict(result.metrics, rms_log_ratio=(2 * result.metrics["approx_kl"]) ** 0.5)
+def _ours_note(r: LoopResult) -> str:
+    m = r.last
+    keys = ("logprob_abs_diff", "logprob_pearson", "ratio_mean", "clipfrac_above", "clipfrac_below", "grad_norm",
+            "optimizer_steps", "reward_mean", "reward_std")
+    return f"{r.name}, last step (the loop's metrics): " + ", ".join(f"{k} {m[k]:.3g}" for k in keys if k in m)
+
+
+def _reference_note(r: LoopResult) -> str:
+    m = dict(r.last, rms_log_ratio=(2 * r.last["approx_kl"]) ** 0.5)
     text = ", ".join(f"{k} {m[k]:.3g}" for k in ("ratio_mean", "rms_log_ratio", "clipfrac_above", "clipfrac_below",
-                                                   "grad_norm", "reward_mean") if k in m)
-    return f"{result.name}, last step: {int(m['pairs'])} trained pairs, {text}"
+                                                   "grad_norm") if k in m)
+    return f"{r.name}, last step: {int(m['pairs'])} trained pairs, {text} (random rewards)"
 
 
-def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
+def print_table(cfg, results: list[LoopResult], steps: int, notes: list[str], smoke: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    peak = device_peak_flops(recipe.dtype)
-    device = torch.cuda.get_device_name() if recipe.device.type == "cuda" else "CPU (smoke: times mean nothing)"
-    size = "tiny smoke model" if recipe.smoke else "full-size Qwen-Image DiT (random init, bf16)"
-    table = Table(title=f"FlowGRPO step, {size}, {device}: {recipe.samples} images ({recipe.prompts} prompt(s) x "
-                        f"group {recipe.group}), {recipe.num_steps} steps, true CFG {recipe.guidance:g}, window "
-                        f"{recipe.window}, LoRA r{recipe.lora_rank}, micro-batch {recipe.micro_batch}; median of "
-                        f"{steps} steps")
+    peak = device_peak_flops(cfg.model.torch_dtype)
+    device = torch.cuda.get_device_name() if cfg.parallel.device != "cpu" and torch.cuda.is_available() \
+        else "CPU (smoke: times mean nothing)"
+    r = cfg.rollout
+    n = r.prompts_per_step * r.group_size
+    size = "tiny smoke folder" if smoke else f"Qwen-Image {cfg.model.arch.num_layers} blocks ({cfg.model.dtype})"
+    table = Table(title=f"FlowGRPO step of {RECIPE}, {size}, {device}: {n} images ({r.prompts_per_step} prompt(s) x "
+                        f"group {r.group_size}), {cfg.data.height}x{cfg.data.width}, {r.num_steps} steps, true CFG "
+                        f"{r.guidance_scale:g}, window {r.window_size}, LoRA r{cfg.lora.rank}, micro-batch "
+                        f"{cfg.train.micro_batch_size}; median of {steps} steps")
     for col in ("loop", "phase", "s / step", "TFLOP / step", "TFLOP/s", "MFU", "images/s"):
         table.add_column(col, justify="left" if col in ("loop", "phase") else "right")
-    n = recipe.samples
-    dit, notes_base = {}, []
-    for r in results:
-        if r.error:
-            table.add_row(r.name, r.error, "", "", "", "", "")
+    dit = {}
+    for res in results:
+        if res.error:
+            table.add_row(res.name, res.error, "", "", "", "", "")
+            table.add_section()
             continue
-        flops = phase_flops(recipe, reused_uncond=r.reused_uncond)  # the work this loop actually ran
-        dit_flops = flops["rollout"] + flops["train"]
-        for phase in (p for p in OURS_PHASES if p in r.seconds):
-            _row(table, r.name, phase, r.seconds[phase], flops.get(phase), peak)
-        dit[r.name] = r.seconds["dit"]
-        if peak and recipe.lora_rank:
-            base = phase_flops(recipe, reused_uncond=r.reused_uncond, adapters=False)
-            notes_base.append(f"{r.name}: MFU of the base model's FLOPs alone (adapters not counted): "
-                              + ", ".join(f"{p} {base[p] / r.seconds[p] / peak:.1%}" for p in ("rollout", "train")))
-        _row(table, r.name, "DiT side: " + " + ".join(p for p in DIT_PHASES if p in r.seconds), r.seconds["dit"],
-             dit_flops, peak, n)
-        if "text" in r.seconds:
-            _row(table, r.name, "end to end: all phases, in sequence", r.seconds["e2e"], dit_flops, peak, n)
+        if res.name.startswith("ours"):
+            for phase in PHASES:
+                _row(table, res.name, phase, res.seconds[phase])
+            _row(table, res.name, "DiT side: rollout + train + sync", res.seconds["dit"], res.flops, peak, n)
+            _row(table, res.name, "end to end: the loop's step_seconds", res.seconds["e2e"], res.flops, peak, n,
+                 mfu=res.metrics.get("mfu"))
+        else:
+            for phase in ("rollout", "train"):
+                _row(table, res.name, phase, res.seconds[phase], res.phase_flops[phase], peak)
+            _row(table, res.name, "DiT side: rollout + train", res.seconds["dit"], res.flops, peak, n)
+        dit[res.name] = res.seconds["dit"]
         table.add_section()
     if len(dit) == 2:
         ours, ref = dit.values()
         table.add_row("ours / reference", "DiT-side speed-up", "", "", "", "", f"{ref / ours:.2f} x")
-    notes = [note for r in results for note in r.notes] + [_metrics_note(r) for r in results if r.metrics]
-    notes.append(f"MFU counts the LoRA r{recipe.lora_rank} adapters' FLOPs as work done (a forward's adapter FLOPs "
-                 f"per policy forward, 3x per trained pair: forward, activation and adapter weight gradients)")
-    notes += notes_base
-    if recipe.reuse_uncond:
-        notes.append("ours trains on the rollout's uncond outputs (same weights and inputs: exact): its training "
-                     "forward carries cond rows only, and 'train' counts the 2 forward-equivalents per pair it runs "
-                     "(cond forward + activation backward) plus the adapters'; the reference runs uncond under "
-                     "no_grad (3)")
-    else:
-        notes.append("ours (--no-reuse-uncond) recomputes the uncond rows in their own forward under no_grad (the "
-                     "loss detaches that branch), as the reference does: 3 forward-equivalents per pair")
+    notes = notes + [note for res in results for note in res.notes]
+    notes += [(_ours_note if res.name.startswith("ours") else _reference_note)(res) for res in results if res.last]
+    notes.append("ours: the phases are the loop's (megatron_omni.trainer.loop.rl_step): 'rollout' holds the text "
+                 "encoding, the engine's sampling, the VAE decode and the reward submission; 'reward' the log-prob "
+                 "check with the reward threads scoring beside it; TFLOP / step is the algorithm's count (rollout, "
+                 "check and training forwards, LoRA adapters included, the rollout's uncond outputs reused in "
+                 "training unless --no-reuse-uncond), the end-to-end MFU the loop's 'mfu'")
     notes.append("targets (docs/benchmarks.md): DiT side >= 1.5 images/s and >= 2.5x the reference; end to end >= 1.3 "
                  "images/s; rollout >= 80 % MFU at batch >= 8; train >= 60 % MFU")
     table.caption, table.caption_justify = "\n".join(notes), "left"
@@ -217,45 +337,48 @@ def print_table(recipe: Recipe, results: list[LoopResult], steps: int) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", metavar="DIR", help="a QwenImagePipeline folder (default: write a random one)")
+    p.add_argument("--layers", type=int, default=60, help="transformer blocks of the random folder (60 = Qwen-Image)")
+    p.add_argument("--text-layers", type=int, default=28,
+                   help="text-encoder layers of the random folder (28 = Qwen2.5-VL-7B)")
+    p.add_argument("--build-dir", metavar="DIR", help="write the random folder here and keep it (for --model)")
     p.add_argument("--steps", type=int, default=5, help="timed RL steps after one warm-up (median)")
-    p.add_argument("--group", type=int, default=16, help="samples per prompt")
+    p.add_argument("--group", type=int, default=None, help=f"samples per prompt (16; --smoke: {SMOKE_GROUP})")
     p.add_argument("--prompts", type=int, default=1, help="prompts per RL step")
-    p.add_argument("--compile", metavar="MODE", help="compile each block of our rollout model, e.g. default")
-    p.add_argument("--compile-train", metavar="MODE", help="compile each block of our policy (training), e.g. default")
     p.add_argument("--micro-batch", type=int, default=4, help="(sample, step) pairs per training forward")
-    p.add_argument("--text-layers", type=int, default=28, help="layers of the text encoder (28 = Qwen2.5-VL-7B)")
-    p.add_argument("--skip-reference", action="store_true", help="time ours only")
+    p.add_argument("--compile", metavar="MODE", help="rollout.compile, e.g. default")
+    p.add_argument("--compile-train", metavar="MODE", help="train.compile, e.g. default")
+    p.add_argument("--reward", metavar="NAME", help="reward.name (default: the recipe's, ocr)")
     p.add_argument("--no-reuse-uncond", action="store_true",
-                   help="ours recomputes the uncond branch in training (its own forward under no_grad) instead of "
-                        "reusing the rollout's uncond outputs")
-    p.add_argument("--negative-tokens", type=int, metavar="N",
-                   help="tokens of the negative prompt (default: as many as a prompt's, 128)")
+                   help="algorithm.reuse_rollout_uncond=false: training recomputes the uncond rows")
+    p.add_argument("--skip-reference", action="store_true", help="time ours only")
     p.add_argument("--profile", action="store_true", help="after ours' timed steps, list where a step's host waits")
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, < 2 min: checks the script")
+    p.add_argument("--smoke", action="store_true", help="tiny folder on the CPU: checks the script")
     args = p.parse_args(argv)
-    if min(args.steps, args.group, args.prompts, args.text_layers, args.micro_batch, args.negative_tokens or 1) < 1:
-        p.error(f"--steps {args.steps}, --group {args.group}, --prompts {args.prompts}, --text-layers "
-                f"{args.text_layers}, --micro-batch {args.micro_batch}, --negative-tokens {args.negative_tokens}: "
-                f"expected integers >= 1")
+    args.group = args.group or (SMOKE_GROUP if args.smoke else 16)
+    if min(args.steps, args.group, args.prompts, args.micro_batch, args.layers, args.text_layers) < 1:
+        p.error(f"--steps {args.steps}, --group {args.group}, --prompts {args.prompts}, --micro-batch "
+                f"{args.micro_batch}, --layers {args.layers}, --text-layers {args.text_layers}: expected integers >= 1")
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("no CUDA device; the full-size run needs one (use --smoke on a CPU)")
     steps = min(args.steps, 2) if args.smoke else args.steps
-    overrides = dict(group=args.group, prompts=args.prompts, reuse_uncond=not args.no_reuse_uncond,
-                     micro_batch=args.micro_batch, negative_tokens=args.negative_tokens)
-    if not args.smoke:
-        overrides["text_layers"] = args.text_layers
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1 and not args.smoke:  # torchrun: data parallel, one GPU per rank (before the recipe picks one)
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    recipe = make_recipe(args.smoke, **overrides)
-    results = [run_ours(recipe, steps, args.compile, args.compile_train, args.profile)]
-    if world > 1:
-        results[0].notes.append(f"data parallel over {world} ranks (torchrun): every rank runs the recipe's "
-                                f"{recipe.samples} images per step with its own prompts and seeds, gradients "
-                                f"averaged by megatron DDP; times and images/s are rank 0's, per GPU (all GPUs: "
-                                f"{world}x); the reference loop is single-GPU and not run")
-    elif not args.skip_reference:
-        results.append(run_reference(recipe, steps))
-    if int(os.environ.get("RANK", 0)) == 0:
-        print_table(recipe, results, steps)
+    scratch = Path(tempfile.mkdtemp(prefix="flow_grpo_step_"))
+    try:
+        folder, about = pipeline_folder(args, scratch)
+        reward, reward_note = reward_name(args)
+        cfg = run_config(args, folder, scratch / "run", reward, steps + 3)
+        notes = [f"model.path: {about}"] + ([reward_note] if reward_note else [])
+        ours, shape = run_ours(cfg, steps, args.profile)
+        results = [ours]
+        if not args.skip_reference and shape:
+            recipe = make_recipe(args.smoke, group=args.group, prompts=args.prompts, **shape)
+            results.append(run_reference(recipe, steps))
+            notes.append(f"reference: the same transformer config (random init, normal 0.02), random text "
+                         f"embeddings of {recipe.text_tokens} prompt / {recipe.uncond_tokens} negative tokens (ours' "
+                         f"lengths), a static shift; training recomputes the uncond rows under no_grad")
+        print_table(cfg, results, steps, notes, args.smoke)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

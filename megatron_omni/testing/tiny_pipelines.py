@@ -60,28 +60,35 @@ def build_tokenizer(vocab_size: int = 1024):
                               unk_token=None, bos_token=None, padding_side="right")
 
 
-def _text_encoder(tokenizer, hidden: int, layers: int):
-    """``Qwen2_5_VLForConditionalGeneration`` of width ``hidden`` (4 heads of hidden/4, 2 KV heads) with a
-    one-block vision tower projecting to ``hidden``."""
+def _text_encoder(tokenizer, hidden: int, layers: int, heads: int = 4, kv_heads: int = 2,
+                  intermediate: int | None = None, section: list[int] | None = None,
+                  dtype: torch.dtype | None = None):
+    """``Qwen2_5_VLForConditionalGeneration`` of width ``hidden`` (default: 4 heads of hidden/4, 2 KV heads, MLP
+    2 * hidden) with a one-block vision tower projecting to ``hidden``; ``dtype``: built straight in it."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    head_dim = hidden // 4
-    if hidden % 8:
-        raise ValueError(f"text_hidden={hidden}; expected a multiple of 8 (4 heads with an even rotary half)")
-    quarter = head_dim // 2 // 4  # M-RoPE sections (temporal, height, width) over head_dim / 2 frequencies
-    section = [quarter, quarter, head_dim // 2 - 2 * quarter]
+    head_dim = hidden // heads
+    if hidden % (2 * heads):
+        raise ValueError(f"text_hidden={hidden}; expected a multiple of {2 * heads} ({heads} heads with an even "
+                         f"rotary half)")
+    if section is None:
+        quarter = head_dim // 2 // 4  # M-RoPE sections (temporal, height, width) over head_dim / 2 frequencies
+        section = [quarter, quarter, head_dim // 2 - 2 * quarter]
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                max_position_embeddings=2048,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section},
                 bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
                   patch_size=VISION_PATCH, spatial_merge_size=VISION_MERGE, temporal_patch_size=VISION_TEMPORAL,
                   window_size=112, fullatt_block_indexes=[0])
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
+    if dtype is None:
+        return Qwen2_5_VLForConditionalGeneration(config).eval()
+    return Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype).eval()
 
 
 def _write_processor(folder: Path, tokenizer) -> None:
@@ -143,4 +150,55 @@ def build_qwen_image_pipeline(out_dir: str | os.PathLike, *, seed: int = 0, edit
     index = json.loads((out / "model_index.json").read_text())
     index["processor"] = PROCESSOR_CLASS
     (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+# Qwen-Image's text encoder is Qwen2.5-VL-7B-Instruct; its language model's config
+QWEN25_VL_7B_TEXT = dict(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, section=[16, 24, 24])
+
+
+def build_full_size_qwen_image_pipeline(out_dir: str | os.PathLike, *, layers: int = 60, text_layers: int = 28,
+                                        seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                                        device: str | torch.device = "cpu") -> Path:
+    """Write a random-init ``QwenImagePipeline`` folder with Qwen-Image's shapes at ``out_dir`` (for benchmarks: it
+    loads and runs as the real one does, at its cost) and return its path.
+
+    * transformer: ``QwenImageTransformer2DModel`` at diffusers' defaults = Qwen-Image's (24 heads of 128, 64 packed
+      channels, text width 3584), ``layers`` blocks (60 = Qwen-Image, 20.4 B params, ~41 GB in bf16);
+    * text_encoder: ``Qwen2_5_VLForConditionalGeneration`` with Qwen2.5-VL-7B's language-model shape (hidden 3584,
+      28 heads / 4 KV heads, MLP 18944, M-RoPE sections 16/24/24), ``text_layers`` layers (28 = Qwen2.5-VL-7B,
+      ~6.5 B params, ~13 GB in bf16); the vocabulary is the tiny byte-level tokenizer's (~640 tokens: the real
+      one's 152064-row embedding costs memory, not FLOPs per token) and the vision tower is one small block (the
+      text-to-image pipeline never runs it);
+    * vae: ``AutoencoderKLQwenImage`` at diffusers' defaults = Qwen-Image's VAE config (~127 M params);
+    * scheduler: Qwen-Image's (dynamic shifting), tokenizer: ``build_tokenizer``'s (the template is 34 tokens).
+
+    Components are built one at a time on ``device`` in ``dtype`` (a GPU initialises 20 B params in seconds, a CPU
+    in minutes) and written with ``save_pretrained``; the disk holds ~55 GB at full size (``layers`` /
+    ``text_layers`` cut it).  A folder is a function of its arguments and the device's RNG."""
+    import shutil
+
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+    if layers < 1 or text_layers < 1:
+        raise ValueError(f"layers={layers}, text_layers={text_layers}; expected >= 1")
+    out = build_qwen_image_pipeline(out_dir, seed=seed)  # scheduler, tokenizer, model_index.json; then replaced:
+    tokenizer = build_tokenizer()
+    saved = torch.get_default_dtype()
+    builders = (("vae", lambda: AutoencoderKLQwenImage()),
+                ("text_encoder", lambda: _text_encoder(tokenizer, **{**QWEN25_VL_7B_TEXT, "layers": text_layers},
+                                                       dtype=dtype)),
+                ("transformer", lambda: QwenImageTransformer2DModel(num_layers=layers)))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, build in builders:
+            torch.set_default_dtype(dtype)  # diffusers models are built straight in dtype (no fp32 copy)
+            try:
+                with torch.device(device):
+                    module = build().eval().requires_grad_(False)
+            finally:
+                torch.set_default_dtype(saved)
+            shutil.rmtree(out / name)
+            module.save_pretrained(out / name, safe_serialization=True)
+            del module
     return out

@@ -1,5 +1,7 @@
-"""bench/flow_grpo_step.py --smoke runs ours and the diffusers + peft reference end to end on the CPU and
-prints its table (times mean nothing there); both loops re-score their own rollout exactly."""
+"""bench/flow_grpo_step.py --smoke times the product's own RL step (megatron_omni.trainer.loop.rl_step on a run
+built by build_run from the qwen_image_flow_grpo recipe and a tiny pipeline folder) beside the diffusers + peft
+reference on the CPU, and prints its table (times mean nothing there); both loops re-score their own rollout
+exactly."""
 import re
 import subprocess
 import sys
@@ -16,10 +18,21 @@ def test_smoke_prints_the_table():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    for phase in ("text", "rollout", "decode", "reward", "train", "sync", "DiT side", "end to end", "speed-up"):
-        assert phase in text, phase
-    assert "reference (diffusers + peft)" in text and "jpeg_compressibility" in text
-    # float32 on the CPU: the trainer's log-probs equal the rollout's, nothing is clipped
-    for loop in ("ours", "reference"):
-        line = re.search(rf"^{loop}.*last step: 32 trained pairs, ratio_mean 1, rms_log_ratio (\S+),", text, re.M)
-        assert line and float(line.group(1)) < 1e-6, text[-2000:]
+    # the loop's own phases (rl_step's <phase>_seconds), its step_seconds end to end, and the reference beside it
+    rows = {(m.group(1).strip(), m.group(2).strip()) for m in re.finditer(r"^│ ([^│]+)│ ([^│]+)│", text, re.M)}
+    ours = "ours: megatron-omni train's rl_step (eager)"
+    for phase in ("rollout", "reward", "train", "sync", "DiT side: rollout + train + sync",
+                  "end to end: the loop's step_seconds"):
+        assert (ours, phase) in rows, (phase, sorted(rows))
+    for phase in ("rollout", "train", "DiT side: rollout + train"):
+        assert ("reference (diffusers + peft)", phase) in rows, phase
+    assert ("ours / reference", "DiT-side speed-up") in rows
+    assert "qwen_image_flow_grpo" in text and "tiny random QwenImagePipeline folder" in text
+    # logprob_abs_diff is the loop's own log-prob check (megatron_omni.algorithms.flow_grpo.FlowGRPO.check):
+    # float32 on the CPU, the trainer re-scores the rollout to rounding
+    line = re.search(r"rl_step \(eager\), last step \(the loop's metrics\): logprob_abs_diff (\S+), logprob_pearson",
+                     text)
+    assert line and float(line.group(1)) < 1e-6, text[-3000:]
+    line = re.search(r"^reference \(diffusers \+ peft\), last step: 8 trained pairs, ratio_mean 1, rms_log_ratio "
+                     r"(\S+),", text, re.M)
+    assert line and float(line.group(1)) < 1e-6, text[-3000:]
