@@ -31,6 +31,10 @@ GPU run is not exercised by the tests and has not been run from this version (no
 ``--smoke`` (tests/bench/test_flow_grpo_step_smoke.py) writes a tiny folder (build_qwen_image_pipeline) and runs
 it on the CPU in float32 at 64x64 with group 4.
 
+A random folder carries the tiny byte-level tokenizer (build_tokenizer): an OCR prompt becomes ~100 text tokens
+(about the 128 of docs/benchmarks.md's shape; the real Qwen2.5-VL tokenizer gives fewer); the table notes the
+lengths the loop ran.
+
 The reward is the recipe's (``ocr``: tesseract) unless ``--reward`` names another; where tesseract is not
 installed (the GPU machine) it falls back to ``jpeg_compressibility`` with a note.
 
