@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -45,7 +45,7 @@ SHEET_MAX, SHEET_TILE = 64, 256  # the contact sheet shows the first 64 lines, t
 TIMEOUT_S = 24 * 3600.0
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GenerateOptions:
     """The sampling settings; defaults are QwenImagePipeline.__call__'s (see the module docstring)."""
 
@@ -60,25 +60,24 @@ class GenerateOptions:
     device: str = "auto"
 
     def check(self) -> None:
-        from model_specs.common.dtypes import DTYPES
-
         for name in ("height", "width", "steps", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise GenerateError(f"--{name.replace('_', '-')} {value!r}: expected an integer >= 1")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise GenerateError(f"--seed {self.seed!r}: expected an integer >= 0")
-        if self.dtype not in ("float32", "bfloat16") or self.dtype not in DTYPES:
+        if self.dtype not in ("float32", "bfloat16"):
             raise GenerateError(f"--dtype {self.dtype!r}: expected float32 or bfloat16")
 
 
-@dataclass
+@dataclasses.dataclass
 class GenerateResult:
     out: Path
     total: int  # lines in the prompt file
     skipped: int  # lines finished by an earlier run (all ranks)
-    generated: list[int] = field(default_factory=list)  # line indices this rank sampled
-    images: dict[int, torch.Tensor] = field(default_factory=dict)  # keep_images: index -> [3, H, W] in [0, 1]
+    generated: list[int] = dataclasses.field(default_factory=list)  # line indices this rank sampled
+    # keep_images: index -> this rank's image [3, H, W] in [0, 1], as decoded (before the PNG's rounding)
+    images: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -174,6 +173,22 @@ def parallel(device: str, seed: int) -> Iterator[Any]:
         yield state
     finally:
         destroy_parallel()
+
+
+@contextlib.contextmanager
+def loader_bars(enabled: bool) -> Iterator[None]:
+    """transformers' / diffusers' loading progress bars on or off (``--quiet``), restored afterwards."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    saved = [(m, m.is_progress_bar_enabled()) for m in (transformers_logging, diffusers_logging)]
+    for m, _ in saved:
+        (m.enable_progress_bar if enabled else m.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        for m, was in saved:
+            (m.enable_progress_bar if was else m.disable_progress_bar)()
 
 
 def barrier(state) -> None:
@@ -281,7 +296,7 @@ def generate(model: str | Path, prompts: str | Path | PromptDataset, out: str | 
     out, dtype = Path(out), DTYPES[options.dtype]
     if out.exists() and not out.is_dir():
         raise GenerateError(f"--out {out} is a file; expected a folder (created if missing)")
-    with parallel(options.device, options.seed) as state:
+    with parallel(options.device, options.seed) as state, loader_bars(progress and state.rank == 0):
         family, parts = load_pipeline(model, dtype, state.torch_device)
         parts.latent_grid(options.height, options.width)  # refuses a size the VAE cannot make
         module, arch, sources = load_denoiser(family, parts, dtype, state, lora, checkpoint)
@@ -293,7 +308,7 @@ def generate(model: str | Path, prompts: str | Path | PromptDataset, out: str | 
         out.mkdir(parents=True, exist_ok=True)
         todo = [e for e in plan if e["index"] % state.world_size == state.rank and e["index"] not in skipped]
         if state.rank == 0:
-            print(f"{PROG}: {len(plan)} lines, {len(skipped)} skipped (finished in {out / MANIFEST}), "
+            print(f"{PROG}: {len(plan)} lines: {len(skipped)} skipped (in {out / MANIFEST} with their PNGs), "
                   f"{len(plan) - len(skipped)} to sample on {state.world_size} rank(s)", file=sys.stderr)
         kept = sample_lines(engine, parts, family, todo, out, state, options, progress, keep_images)
         barrier(state)
@@ -303,8 +318,18 @@ def generate(model: str | Path, prompts: str | Path | PromptDataset, out: str | 
                           time.perf_counter() - start)
 
 
+# the sampling flags: (flag, type, metavar, help); defaults are GenerateOptions'
+SETTINGS = (("--height", int, "H", "image height in pixels, e.g. --height 512"),
+            ("--width", int, "W", "image width in pixels, e.g. --width 768"),
+            ("--steps", int, "N", "sampling steps, e.g. --steps 30"),
+            ("--guidance", float, "G", "true CFG scale, applied only with a negative prompt, e.g. --guidance 5"),
+            ("--negative-prompt", str, "TEXT", "negative prompt of the lines without their own; without one there "
+                                               "is no CFG (the pipeline's rule), e.g. --negative-prompt ' '"),
+            ("--seed", int, "S", "line i uses seed S + i (a JSONL line's \"seed\" wins), e.g. --seed 42"),
+            ("--batch-size", int, "B", "lines per forward (does not change an image), e.g. --batch-size 8"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = GenerateOptions()
     p = argparse.ArgumentParser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Sample one PNG per prompt line from a diffusers pipeline folder's model (optionally a LoRA\n"
@@ -327,28 +352,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "optional \"negative_prompt\" and \"seed\" per line), e.g. --prompts eval.jsonl")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder, created if missing; a rerun into it "
                    "skips finished lines, e.g. --out samples/base")
-    p.add_argument("--height", type=int, metavar="H", default=d.height, help=f"pixels (default {d.height}), e.g. --height 512")
-    p.add_argument("--width", type=int, metavar="W", default=d.width, help=f"pixels (default {d.width}), e.g. --width 768")
-    p.add_argument("--steps", type=int, metavar="N", default=d.steps, help=f"sampling steps (default {d.steps}), e.g. --steps 30")
-    p.add_argument("--guidance", type=float, metavar="G", default=d.guidance, help=f"true CFG scale, applied only with a negative "
-                   f"prompt (default {d.guidance}), e.g. --guidance 5")
-    p.add_argument("--negative-prompt", metavar="TEXT", help="negative prompt of the lines without their own; "
-                   "without one there is no CFG (the pipeline's rule), e.g. --negative-prompt ' '")
-    p.add_argument("--seed", type=int, metavar="S", default=d.seed, help=f"line i uses seed S + i (default {d.seed}), e.g. --seed 42")
-    p.add_argument("--batch-size", type=int, metavar="B", default=d.batch_size, help=f"lines per forward (default "
-                   f"{d.batch_size}; does not change an image), e.g. --batch-size 8")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype,
-                   help=f"model, text encoder and VAE dtype (default {d.dtype}), e.g. --dtype float32")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
-                   help=f"auto: CUDA when present (default {d.device}), e.g. --device cpu")
-    p.add_argument("--quiet", action="store_true", help="no progress bar, e.g. --quiet")
+    defaults = GenerateOptions()
+    for flag, kind, metavar, what in SETTINGS:
+        default = getattr(defaults, flag[2:].replace("-", "_"))
+        p.add_argument(flag, type=kind, metavar=metavar, default=default,
+                       help=f"{what} (default: {'none' if default is None else default})")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype,
+                   help=f"model, text encoder and VAE dtype, e.g. --dtype float32 (default: {defaults.dtype})")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device,
+                   help=f"auto: CUDA when present, e.g. --device cpu (default: {defaults.device})")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (sampling, model loading), e.g. --quiet")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    options = GenerateOptions(args.height, args.width, args.steps, args.guidance, args.negative_prompt, args.seed,
-                              args.batch_size, args.dtype, args.device)
+    options = GenerateOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerateOptions)})
     try:
         done = generate(args.model, args.prompts, args.out, lora=args.lora, checkpoint=args.checkpoint,
                         options=options, progress=not args.quiet)

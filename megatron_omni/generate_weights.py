@@ -36,8 +36,9 @@ def folder_denoiser(family, arch, folder, dtype: torch.dtype, state) -> torch.nn
     result = module.load_state_dict(mcore_state_from_hf(arch, folder.get, 0, 1), strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
-        raise GenerateError(f"{folder.path}: the mapping table left {len(missing)} parameter(s) unset (e.g. {missing[:3]}) "
-                     f"and {len(result.unexpected_keys)} unknown (e.g. {result.unexpected_keys[:3]})")
+        raise GenerateError(f"{folder.path}: the mapping table left {len(missing)} parameter(s) unset (e.g. "
+                            f"{missing[:3]}) and {len(result.unexpected_keys)} unknown (e.g. "
+                            f"{result.unexpected_keys[:3]})")
     return module
 
 
@@ -47,20 +48,20 @@ def read_lora(folder: str | Path, prefix: str) -> tuple[int, float, list[str], d
 
     path = Path(folder) / LORA_WEIGHTS
     if not path.is_file():
-        raise GenerateError(f"--lora {folder}: {path} is missing; expected a diffusers LoRA folder (what `megatron-omni "
-                     f"export` or save_lora_weights writes)")
+        raise GenerateError(f"--lora {folder}: {path} is missing; expected a diffusers LoRA folder (what "
+                            f"`megatron-omni export` or save_lora_weights writes)")
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if foreign := [k for k in tensors if not k.startswith(f"{prefix}.")]:
-        raise GenerateError(f"{path}: {len(foreign)} tensor(s) outside the {prefix!r} component, e.g. {foreign[0]!r}; "
-                     f"expected keys {prefix}.<module>.lora_A.weight / .lora_B.weight")
+        raise GenerateError(f"{path}: {len(foreign)} tensor(s) outside the {prefix!r} component, e.g. "
+                            f"{foreign[0]!r}; expected keys {prefix}.<module>.lora_A.weight / .lora_B.weight")
     tensors = {k.removeprefix(f"{prefix}."): v for k, v in tensors.items()}
     config = json.loads(metadata[LORA_METADATA_KEY]) if LORA_METADATA_KEY in metadata else {}
     config = {k.removeprefix(f"{prefix}."): v for k, v in config.items()}
     if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise GenerateError(f"{path}: per-module ranks or alphas (rank_pattern / alpha_pattern) are not supported; "
-                     f"expected one rank and alpha for every adapter")
+        raise GenerateError(f"{path}: per-module ranks or alphas (rank_pattern / alpha_pattern) are not "
+                            f"supported; expected one rank and alpha for every adapter")
     ranks = {t.shape[1] for k, t in tensors.items() if k.endswith(".lora_B.weight")}
     if len(ranks) != 1:
         raise GenerateError(f"{path}: adapters of ranks {sorted(ranks)}; expected one rank (and lora_B tensors)")
@@ -96,9 +97,10 @@ def checkpoint_policy(checkpoint: str | Path, family, arch, state) -> tuple[torc
     cfg = read_run_config(step_dir)
     if cfg.model.family_impl is not family:
         raise GenerateError(f"--checkpoint {step_dir} trained a {cfg.model.family!r} model; --model is a "
-                     f"{family.name!r} folder")
+                            f"{family.name!r} folder")
     ours, theirs = family.arch_to_config(arch), family.arch_to_config(cfg.model.arch)
-    if diff := sorted(k for k in ours.keys() | theirs.keys() if not k.startswith("_") and ours.get(k) != theirs.get(k)):
+    diff = sorted(k for k in ours.keys() | theirs.keys() if not k.startswith("_") and ours.get(k) != theirs.get(k))
+    if diff:
         raise GenerateError(f"--checkpoint {step_dir} holds another transformer than --model's: "
-                     + ", ".join(f"{k}={theirs.get(k)!r} (model: {ours.get(k)!r})" for k in diff[:4]))
+                            + ", ".join(f"{k}={theirs.get(k)!r} (model: {ours.get(k)!r})" for k in diff[:4]))
     return load_policy(step_dir, cfg, state), step_dir
