@@ -95,7 +95,8 @@ def pipeline_folder(args, scratch: Path) -> tuple[Path, str]:
         return folder, f"tiny random QwenImagePipeline folder (build_qwen_image_pipeline, {_secs(start)})"
     out = Path(args.build_dir) if args.build_dir else scratch / "qwen_image_random"
     folder = build_full_size_qwen_image_pipeline(out, layers=args.layers, text_layers=args.text_layers,
-                                                 device=torch.device("cuda", torch.cuda.current_device()))
+                                                 device=torch.device("cuda", torch.cuda.current_device()),
+                                                 transformer_weights=not args.random_transformer)
     return folder, (f"random QwenImagePipeline folder with Qwen-Image's shapes ({args.layers} transformer blocks, "
                     f"{args.text_layers} text-encoder layers; build_full_size_qwen_image_pipeline, {_secs(start)}, "
                     f"{_disk_gb(folder):.1f} GB on disk{', kept at ' + str(folder) if args.build_dir else ''})")
@@ -137,6 +138,8 @@ def run_config(args, folder: Path, run_dir: Path, reward: str, steps: int):
                  "logging.wandb_mode=disabled", f"reward.name={reward}"]
     if args.smoke:
         overrides += ["model.dtype=float32", "parallel.device=cpu", "data.eval_prompts=4"]
+    if args.random_transformer and not args.smoke:
+        overrides.append("model.random_init=true")
     if args.compile:
         overrides.append(f"rollout.compile={args.compile}")
     if args.compile_train:
@@ -346,6 +349,9 @@ def main(argv=None) -> None:
     p.add_argument("--text-layers", type=int, default=28,
                    help="text-encoder layers of the random folder (28 = Qwen2.5-VL-7B)")
     p.add_argument("--build-dir", metavar="DIR", help="write the random folder here and keep it (for --model)")
+    p.add_argument("--random-transformer", action="store_true",
+                   help="the transformer at random init (model.random_init=true): the random folder then holds its "
+                        "config.json only (no 41 GB of weights written and read; the FLOPs are the same)")
     p.add_argument("--steps", type=int, default=5, help="timed RL steps after one warm-up (median)")
     p.add_argument("--group", type=int, default=None, help=f"samples per prompt (16; --smoke: {SMOKE_GROUP})")
     p.add_argument("--prompts", type=int, default=1, help="prompts per RL step")

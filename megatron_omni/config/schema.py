@@ -88,6 +88,9 @@ class ModelConfig:
     path: Optional[str] = None
     hf_path: Optional[str] = None  # a diffusers transformer folder (config.json + safetensors)
     mcore_path: Optional[str] = None  # a megatron-core checkpoint written by `megatron-omni convert`
+    # the transformer at random init (seeded by train.seed) whatever the folders hold: benchmarks at full size
+    # (no 41 GB of weights to write and read); the pipeline's other parts still load from model.path
+    random_init: bool = False
 
     def __post_init__(self):
         if self.arch is None and self.family in family_names():
@@ -128,6 +131,8 @@ class ModelConfig:
     @property
     def weights_folder(self) -> Optional[str]:
         """The diffusers transformer folder the initial weights load from (hf_path, else the pipeline's)."""
+        if self.random_init:
+            return None
         if self.hf_path is not None or self.mcore_path is not None or self.path is None:
             return self.hf_path
         return str(Path(self.path) / "transformer")

@@ -159,7 +159,7 @@ QWEN25_VL_7B_TEXT = dict(hidden=3584, layers=28, heads=28, kv_heads=4, intermedi
 
 def build_full_size_qwen_image_pipeline(out_dir: str | os.PathLike, *, layers: int = 60, text_layers: int = 28,
                                         seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                                        device: str | torch.device = "cpu") -> Path:
+                                        device: str | torch.device = "cpu", transformer_weights: bool = True) -> Path:
     """Write a random-init ``QwenImagePipeline`` folder with Qwen-Image's shapes at ``out_dir`` (for benchmarks: it
     loads and runs as the real one does, at its cost) and return its path.
 
@@ -194,11 +194,15 @@ def build_full_size_qwen_image_pipeline(out_dir: str | os.PathLike, *, layers: i
         for name, build in builders:
             torch.set_default_dtype(dtype)  # diffusers models are built straight in dtype (no fp32 copy)
             try:
-                with torch.device(device):
+                skip = name == "transformer" and not transformer_weights  # its config only: built on meta
+                with torch.device("meta" if skip else device):
                     module = build().eval().requires_grad_(False)
             finally:
                 torch.set_default_dtype(saved)
             shutil.rmtree(out / name)
-            module.save_pretrained(out / name, safe_serialization=True)
+            if name == "transformer" and not transformer_weights:  # its config only: a run with model.random_init
+                module.save_config(out / name)
+            else:
+                module.save_pretrained(out / name, safe_serialization=True)
             del module
     return out

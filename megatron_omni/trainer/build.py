@@ -193,7 +193,7 @@ def _updater(cfg: RunConfig, policy: Policy, engine):
 def _initial_weights(cfg: RunConfig, state: ParallelState):
     """``prepare`` hook of build_policy: load the configured weights, then attach LoRA adapters."""
     def prepare(module: torch.nn.Module) -> None:
-        if cfg.model.mcore_path:
+        if cfg.model.mcore_path and not cfg.model.random_init:
             load_model(module, cfg.model.mcore_path)
         elif cfg.model.weights_folder:
             folder = HFFolder(cfg.model.weights_folder)
