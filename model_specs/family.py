@@ -33,6 +33,7 @@ class ModelFamily:
     arch_class: type = object  # the family's arch config dataclass (its FAMILY class attribute == name)
     transformer_class: str = ""  # diffusers ``_class_name`` of the denoiser's folder
     pipeline_classes: tuple[str, ...] = ()  # diffusers pipeline ``_class_name``s whose folders it loads
+    edit_pipeline_classes: tuple[str, ...] = ()  # those of them that edit a source image (``pipeline(...).edit``)
     guidance_rescale: str | None = None  # CFG rule (rollout.samplers.cfg_combine): "token", "sample" or None
     experts: tuple[str, ...] = ("transformer",)  # denoisers of one pipeline (Wan2.2 A14B: two, by sigma)
 
@@ -87,7 +88,11 @@ class ModelFamily:
         width) -> img_fhw``; ``decode(latents [N, I, C], img_fhw) -> images [N, 3, H, W] in [0, 1]``;
         ``sigmas(num_steps, img_fhw) -> [num_steps + 1]`` (the scheduler's shift); ``noise(generator, img_fhw)
         -> [I, C]`` (initial latents as the pipeline draws them).  ValueError naming a folder of another class
-        or a missing component."""
+        or a missing component.  ``edit``: True for an image-edit pipeline, whose parts also give
+        ``edit_inputs(image) -> (img_fhw, context [S_c, C], resized image)`` (the output's token grid, the source
+        image's latent tokens that follow the sampled ones in every forward as ``Request.context_latents``, the
+        image the text encoder takes) and ``encode_edit(prompts, images) -> (emb, mask)``; ``encode`` is then
+        not for use."""
         raise ValueError(f"model family {self.name!r} loads no pipeline folders yet")
 
     # ---- names: conversion, sync, LoRA --------------------------------------------------------------------

@@ -4,12 +4,13 @@ Protocol in one line: ``generate(requests) -> trajectories``; ``load_weights((hf
 as vLLM's loaders take them; ``sleep()`` / ``wake()`` around training phases.
 
 EmbeddedEngine batches compatible requests (same image grid, steps, shift, sampler, noise level,
-guidance, padded text length...) into one forward.  Batching never changes a sample's random
+guidance, padded text length, context shape...) into one forward.  Batching never changes a sample's random
 numbers: each request owns a ``torch.Generator`` seeded with ``request.seed`` that draws, in this
 order, its SDE-window start (when drawn), its initial noise and the noise of its own trained steps.
 
 Shape legend: N steps; S_I image tokens; C packed latent channels; T text tokens (L after padding);
-E text-embedding width; B requests in a batch (2B rows in the forward with CFG).
+E text-embedding width; B requests in a batch (2B rows in the forward with CFG); S_c context tokens (an edit's
+source image: whole frames after the sampled ones, see ``Request.context_latents``).
 """
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ class Request:
     # keep the uncond model output of each trained step in Trajectory.uncond_velocity (true CFG only): the
     # trainer's first optimizer step after this rollout reuses it instead of running the uncond branch again
     keep_uncond_velocity: bool = False
+    # [S_c, C] fixed image tokens appended after the sampled ones in every forward (an edit's VAE-encoded source
+    # image): whole frames of img_fhw's grid, so the forward's grid is (f + S_c / (h * w), h, w) and its first
+    # S_I output tokens are the velocity; None: the sampled tokens alone
+    context_latents: torch.Tensor | None = None
 
     @property
     def cfg(self) -> bool:
@@ -111,7 +116,7 @@ class _Prepared:
     arrived: float = field(default_factory=time.monotonic)
 
 
-def check_request(req: Request, text_dim: int) -> None:
+def check_request(req: Request, text_dim: int, channels: int | None = None) -> None:
     """Raise ValueError naming the request field a rollout cannot work with."""
     who = f"request {req.prompt_id!r}"
     if req.sampler not in KINDS:
@@ -137,6 +142,20 @@ def check_request(req: Request, text_dim: int) -> None:
         emb = getattr(req, name)
         if emb is not None and (emb.dim() != 2 or emb.shape[1] != text_dim):
             raise ValueError(f"{who}: {name} has shape {tuple(emb.shape)}; expected [T, {text_dim}]")
+    ctx = req.context_latents
+    if ctx is not None:
+        _, h, w = req.img_fhw
+        if ctx.dim() != 2 or (channels is not None and ctx.shape[1] != channels) or ctx.shape[0] < 1 \
+                or ctx.shape[0] % (h * w):
+            raise ValueError(f"{who}: context_latents has shape {tuple(ctx.shape)}; expected [S_c, "
+                             f"{channels if channels is not None else 'C'}] with S_c a positive multiple of the "
+                             f"grid's h * w = {h} * {w} = {h * w} (whole frames of img_fhw={tuple(req.img_fhw)})")
+
+
+def context_fhw(img_fhw: tuple[int, int, int], context_tokens: int) -> tuple[int, int, int]:
+    """The forward's grid when ``context_tokens`` fixed tokens (whole frames) follow the sampled ``img_fhw``."""
+    f, h, w = img_fhw
+    return f + context_tokens // (h * w), h, w
 
 
 def _check_window(req: Request, who: str) -> None:
@@ -298,7 +317,7 @@ class EmbeddedEngine:
     # ---- text ------------------------------------------------------------------------------------
     def _prepare(self, requests: Sequence[Request]) -> list[_Prepared]:
         for r in requests:
-            check_request(r, self.text_dim)
+            check_request(r, self.text_dim, self.channels)
         needed = [r.prompt for r in requests if r.prompt_emb is None]
         needed += [r.negative_prompt for r in requests if r.cfg and r.negative_prompt_emb is None]
         self._encode_missing(list(dict.fromkeys(t for t in needed if t not in self._prompt_cache)))
@@ -331,7 +350,8 @@ class EmbeddedEngine:
         cfg = (r.guidance_scale, r.cfg_rescale) if r.cfg else None
         schedule = None if r.sigmas is None else tuple(float(v) for v in r.sigmas)
         key = (tuple(r.img_fhw), r.num_steps, float(r.shift), schedule, r.sampler, float(r.noise_level), cfg,
-               r.log_prob_form, tuple((txt.shape[0], mask is not None) for txt, mask in texts))
+               r.log_prob_form, tuple((txt.shape[0], mask is not None) for txt, mask in texts),
+               None if r.context_latents is None else tuple(r.context_latents.shape))
         return _Prepared(r, key, texts)
 
     # ---- one batch -------------------------------------------------------------------------------
@@ -383,12 +403,21 @@ class EmbeddedEngine:
             forwards = [(txt, mask, 1) for txt, mask in branches]
 
         steps = self.family.step_inputs(self.model, sigmas_N1[:-1])  # per-step conditioning, once per batch
+        context_BSC, fhw = None, r0.img_fhw  # an edit's source tokens after the sampled ones, its own frames
+        if r0.context_latents is not None:
+            context_BSC = torch.stack([p.request.context_latents for p in items]).to(self._device, self._dtype)
+            fhw = context_fhw(r0.img_fhw, context_BSC.shape[1])
 
         def velocity(x_BX: torch.Tensor, i: int) -> torch.Tensor:
             x = x_BX.to(self._dtype)
+            n_img = x.shape[1]
+            if context_BSC is not None:
+                x = torch.cat([x, context_BSC], dim=1)
             outs = [self.model(torch.cat([x] * rows) if rows > 1 else x, txt, sigmas_N1[i].expand(rows * x.shape[0]),
-                               r0.img_fhw, mask, **steps[i]) for txt, mask, rows in forwards]
+                               fhw, mask, **steps[i]) for txt, mask, rows in forwards]
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
+            if context_BSC is not None:
+                out = out[:, :n_img]
             if not r0.cfg:
                 return out.float()
             v_cond, v_uncond = out.chunk(2)

@@ -16,6 +16,7 @@ class QwenImageFamily(ModelFamily):
     arch_class = QwenImageConfig
     transformer_class = DIFFUSERS_CLASS
     pipeline_classes = ("QwenImagePipeline", "QwenImageEditPipeline")
+    edit_pipeline_classes = ("QwenImageEditPipeline",)
     guidance_rescale = "token"  # true CFG: v rescaled to ‖v_cond‖ per token, as QwenImagePipeline does
     lora_targets = FLOW_GRPO_TARGETS
 

@@ -331,6 +331,39 @@ class QwenImageParts:
         """One sample's initial latents [I, C] drawn as ``prepare_latents`` draws them from ``generator``."""
         return self.initial_latents(generator, 1, img_fhw)[0]
 
+    # ---- edit folders (``edit``): the source image conditions the text and joins the image tokens -------------
+    def _require_edit(self, what: str) -> None:
+        if not self.edit:
+            raise ValueError(f"{what} needs an edit pipeline folder (QwenImageEditPipeline); this one is a "
+                             f"{self.pipeline_class}")
+
+    def edit_size(self, image_size: tuple[int, int]) -> tuple[int, int]:
+        """(height, width) of the output for a source image of PIL ``size`` (width, height): the edit pipeline's
+        default, :func:`edit_resolution`."""
+        self._require_edit("edit_size")
+        width, height = edit_resolution(*image_size)
+        return height, width
+
+    def edit_inputs(self, image) -> tuple[tuple[int, int, int], torch.Tensor, object]:
+        """(img_fhw, context [I, C], resized PIL) of a source image, as ``QwenImageEditPipeline.__call__`` at its
+        default size: the image resized (Lanczos, the pipeline's image processor) to :func:`edit_resolution`, which
+        is also the output's size (token grid img_fhw); ``context``: its VAE encoding, packed (``prepare_latents``'s
+        image_latents), the frame after the sampled one; the resized image is what the text encoder sees."""
+        import numpy as np
+        from PIL import Image
+
+        self._require_edit("edit_inputs")
+        width, height = edit_resolution(*image.size)
+        resized = image.convert("RGB").resize((width, height), resample=Image.LANCZOS, reducing_gap=None)
+        pixels_13HW = torch.from_numpy(np.asarray(resized, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
+        return self.latent_grid(height, width), self.vae.encode(pixels_13HW)[0], resized
+
+    def encode_edit(self, prompts: list[str], images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(emb [N, T, E], mask [N, T]) of edit instructions with their (resized, :meth:`edit_inputs`) source
+        images, as the edit pipeline's ``encode_prompt(image=..., prompt=...)``."""
+        self._require_edit("encode_edit")
+        return self.text_encoder.encode(prompts, images)
+
     @classmethod
     def from_folder(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> "QwenImageParts":

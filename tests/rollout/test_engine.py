@@ -188,6 +188,46 @@ def test_prompt_embeddings_given_directly_match_the_encoder_path(model):
         EmbeddedEngine(model, ARCH).generate([by_text])
 
 
+def _context(seed, frames=1, fhw=FHW):
+    return torch.randn(frames * fhw[1] * fhw[2], ARCH.in_channels, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.numerics
+def test_context_latents_join_every_forward_as_their_own_frames(model):
+    """An edit's source tokens: each forward runs on [x; context] at img_fhw (1 + frames, h, w) and keeps the
+    first S_I outputs; a batch of context requests equals each alone; without context nothing changes."""
+    common = dict(img_fhw=FHW, num_steps=3, noise_level=1.0, guidance_scale=3.0, window_size=2)
+    reqs = [Request(prompt=p, prompt_id=i, seed=20 + i, context_latents=_context(i), **common)
+            for i, p in enumerate(["a red cat", "a blue house"])]
+    engine = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(text_pad_multiple=PAD))
+    grids, handle = [], model.register_forward_hook(lambda m, args, out: grids.append((args[0].shape, args[3])))
+    try:
+        batched = engine.generate(reqs)
+    finally:
+        handle.remove()
+    assert {g for g in grids} == {(torch.Size([4, 32, ARCH.in_channels]), (2, 4, 4))}  # cond + uncond rows
+    for r, t in zip(reqs, batched):
+        _assert_same(engine.generate([r])[0], t)
+        assert t.latents.shape == (4, 16, ARCH.in_channels)
+
+    # the velocity is the model's on [x; context] at the stacked grid, sliced: one ODE step by hand
+    r = replace(reqs[0], sampler="ode", guidance_scale=1.0, window_size=None, num_steps=1, shift=1.0)
+    traj = EmbeddedEngine(model, ARCH, ToyEncoder()).generate([r])[0]
+    emb, _ = ToyEncoder()([r.prompt])
+    with torch.no_grad():
+        v = model(torch.cat([traj.latents[:1], r.context_latents[None]], dim=1), emb, torch.ones(1), (2, 4, 4))
+    assert torch.allclose(traj.latents[1], traj.latents[0] - v[0, :16], atol=1e-6)
+    plain = EmbeddedEngine(model, ARCH, ToyEncoder()).generate([replace(r, context_latents=None)])[0]
+    assert not torch.allclose(plain.latents[1], traj.latents[1], atol=1e-3)  # the context does condition it
+
+
+def test_context_latents_that_are_not_whole_frames_are_refused(model):
+    engine = EmbeddedEngine(model, ARCH, ToyEncoder())
+    for bad in (torch.zeros(20, ARCH.in_channels), torch.zeros(16, ARCH.in_channels + 1), torch.zeros(16)):
+        with pytest.raises(ValueError, match="context_latents has shape"):
+            engine.generate([Request(prompt="x", img_fhw=FHW, num_steps=2, context_latents=bad)])
+
+
 # ---- load_weights ----------------------------------------------------------------------------------
 @pytest.fixture
 def fresh_engine(single_rank):
