@@ -14,6 +14,14 @@ negative_prompt=..., true_cfg_scale=G, height=H, width=W, num_inference_steps=N,
 defaults are that call's (50 steps, scale 4, no negative prompt, 1024 x 1024 = QwenImagePipeline's
 default_sample_size 128 x VAE factor 8).
 
+An edit folder (``QwenImageEditPipeline``) takes a JSONL prompt file with ``"prompt"`` (the instruction) and
+``"image"`` (the source image's path, relative to the JSONL) per line, and samples as that pipeline's ``pipe(image,
+prompt, negative_prompt=..., true_cfg_scale=G, num_inference_steps=N, generator=...)`` at its default size: the
+source resized to about 1 MP (each side a multiple of 32), the output that size; the text encoder sees the
+resized source with the instruction (and with the negative prompt), and the source's VAE latents follow the
+sampled tokens in every forward as their own RoPE frame.  ``--height`` / ``--width`` other than that size are
+refused.
+
 ``--out`` receives ``NNNNN.png`` per line, ``manifest.jsonl`` (a JSON object per finished line: index, prompt,
 negative_prompt, seed, file, height, width, steps, guidance, dtype and the weights' sources) and
 ``contact_sheet.png`` (the first lines' images, labelled).  A rerun skips the lines the manifest lists with the
@@ -39,6 +47,7 @@ from megatron_omni.data.prompts import PromptDataset
 from megatron_omni.generate_weights import GenerateError, attach_lora, checkpoint_policy, folder_denoiser
 
 PROG = "megatron-omni generate"
+DEFAULT_SIZE = 1024  # QwenImagePipeline's default height and width (default_sample_size 128 x VAE factor 8)
 MANIFEST, SHEET, PART = "manifest.jsonl", "contact_sheet.png", "manifest.part{rank}.jsonl"
 SHEET_MAX, SHEET_TILE = 64, 256  # the contact sheet shows the first 64 lines, tiles at most 256 px wide
 # barrier timeout: rank 0 waits at the end for the slowest rank (whose lines a rerun may not have skipped)
@@ -49,8 +58,8 @@ TIMEOUT_S = 24 * 3600.0
 class GenerateOptions:
     """The sampling settings; defaults are QwenImagePipeline.__call__'s (see the module docstring)."""
 
-    height: int = 1024
-    width: int = 1024
+    height: int | None = None  # None: DEFAULT_SIZE, or an edit's source size (the only one an edit takes)
+    width: int | None = None
     steps: int = 50
     guidance: float = 4.0  # true CFG scale (the pipeline's true_cfg_scale); used only with a negative prompt
     negative_prompt: str | None = None  # for every line without its own; None: no CFG
@@ -62,6 +71,8 @@ class GenerateOptions:
     def check(self) -> None:
         for name in ("height", "width", "steps", "batch_size"):
             value = getattr(self, name)
+            if value is None and name in ("height", "width"):
+                continue
             if not isinstance(value, int) or value < 1:
                 raise GenerateError(f"--{name.replace('_', '-')} {value!r}: expected an integer >= 1")
         if not isinstance(self.seed, int) or self.seed < 0:
@@ -83,16 +94,42 @@ class GenerateResult:
 
 # ---- the lines to sample -------------------------------------------------------------------------------------
 
-def plan_lines(dataset: PromptDataset, options: GenerateOptions, sources: dict[str, str | None]) -> list[dict]:
-    """The manifest entry of every line: what makes its image (a rerun skips a line whose entry is unchanged)."""
+def plan_lines(dataset: PromptDataset, options: GenerateOptions, sources: dict[str, str | None],
+               edit_size=None) -> list[dict]:
+    """The manifest entry of every line: what makes its image (a rerun skips a line whose entry is unchanged).
+    ``edit_size(source image size (w, h)) -> (height, width)``: an edit folder's output size (then the records
+    are EditDataset's and each entry names its source image)."""
     entries = []
     for i, record in enumerate(dataset):
         negative = record.negative_prompt if record.negative_prompt is not None else options.negative_prompt
-        entries.append({"index": i, "prompt": record.prompt, "negative_prompt": negative,
-                        "seed": record.seed if record.seed is not None else options.seed + i, "file": f"{i:05d}.png",
-                        "height": options.height, "width": options.width, "steps": options.steps,
-                        "guidance": float(options.guidance), "dtype": options.dtype, **sources})
+        entry = {"index": i, "prompt": record.prompt, "negative_prompt": negative,
+                 "seed": record.seed if record.seed is not None else options.seed + i, "file": f"{i:05d}.png",
+                 "height": options.height or DEFAULT_SIZE, "width": options.width or DEFAULT_SIZE,
+                 "steps": options.steps, "guidance": float(options.guidance), "dtype": options.dtype, **sources}
+        if edit_size is not None:
+            entry.update(_edit_entry(dataset, record, options, edit_size))
+        entries.append(entry)
     return entries
+
+
+def _edit_entry(dataset, record, options: GenerateOptions, edit_size) -> dict:
+    """An edit line's source image and output size (the pipeline's default for that source; no other)."""
+    from PIL import Image, UnidentifiedImageError
+
+    where = f"{dataset.source}:{record.line}" if record.line is not None else f"{dataset.source}"
+    try:
+        with Image.open(record.image_path) as image:
+            size = image.size
+    except (OSError, UnidentifiedImageError) as err:
+        raise GenerateError(f"{where}: image {record.image_path} cannot be read: {err}; expected an image file PIL "
+                            f"opens (PNG, JPEG, WebP...)") from None
+    height, width = edit_size(size)
+    if (options.height or height, options.width or width) != (height, width):
+        raise GenerateError(f"{where}: --height {options.height} --width {options.width} for the source image "
+                            f"{record.image_path} ({size[0]}x{size[1]}): an edit samples at the source's size "
+                            f"resized to ~1 MP, {height}x{width} (height x width) here, as QwenImageEditPipeline's "
+                            f"default; leave --height / --width out")
+    return {"image": str(record.image_path), "height": height, "width": width}
 
 
 def read_records(out: Path) -> dict[int, dict]:
@@ -120,8 +157,8 @@ def finished(out: Path, plan: list[dict]) -> list[dict]:
 
 # ---- the model ----------------------------------------------------------------------------------------------
 
-def load_pipeline(model: str | Path, dtype: torch.dtype, device: torch.device):
-    """(family, pipeline parts) of a diffusers pipeline folder, refusing other classes and edit pipelines."""
+def pipeline_family(model: str | Path):
+    """(family, pipeline class name) of a diffusers pipeline folder, refusing classes no family loads."""
     from model_specs.family import family_for_class
 
     index = Path(model) / "model_index.json"
@@ -133,11 +170,28 @@ def load_pipeline(model: str | Path, dtype: torch.dtype, device: torch.device):
     if class_name not in family.pipeline_classes:
         raise GenerateError(f"--model {model} is a {class_name!r} folder; expected a pipeline folder of "
                             f"{list(family.pipeline_classes)}")
-    parts = family.pipeline(model, dtype, device)
-    if parts.edit:
-        raise GenerateError(f"--model {model} is a {class_name} folder: edit pipelines are not supported by "
-                            f"generate yet; expected a text-to-image pipeline folder")
-    return family, parts
+    return family, class_name
+
+
+def load_pipeline(model: str | Path, dtype: torch.dtype, device: torch.device):
+    """(family, pipeline parts) of a diffusers pipeline folder, refusing other classes."""
+    family, _ = pipeline_family(model)
+    return family, family.pipeline(model, dtype, device)
+
+
+def load_prompts(prompts: str | Path | PromptDataset, edit: bool, model, class_name: str) -> PromptDataset:
+    """The prompt file (or dataset) of the folder: an EditDataset (JSONL with "prompt" and "image") for an edit."""
+    from megatron_omni.data.prompts import EditDataset
+
+    if not edit:
+        return prompts if isinstance(prompts, PromptDataset) else PromptDataset.from_file(prompts)
+    if isinstance(prompts, EditDataset):
+        return prompts
+    if isinstance(prompts, PromptDataset) or Path(prompts).suffix != ".jsonl":
+        raise GenerateError(f"--model {model} is a {class_name} folder: --prompts {prompts} must be a .jsonl file "
+                            f'with "prompt" and "image" (the source image\'s path, relative to the file) per line, '
+                            f'e.g. {{"prompt": "make the sky green", "image": "images/cat.png"}}')
+    return EditDataset.from_file(prompts)
 
 
 def load_denoiser(family, parts, dtype: torch.dtype, state, lora: str | Path | None = None,
@@ -198,6 +252,37 @@ def barrier(state) -> None:
 
 # ---- sampling and the outputs --------------------------------------------------------------------------------
 
+def edit_request(entry: dict, parts, family):
+    """The ODE request of an edit line: its source image resized and VAE-encoded (``context_latents``), the
+    instruction (and the negative prompt, with CFG) encoded with that image, the pipeline's schedule for its grid."""
+    from PIL import Image
+
+    with Image.open(entry["image"]) as image:
+        image = image.convert("RGB")
+    img_fhw, context, resized = parts.edit_inputs(image)
+    req = request_for(entry, img_fhw, tuple(parts.sigmas(entry["steps"], img_fhw).tolist()), family)
+    texts = [req.prompt] + ([req.negative_prompt] if req.cfg else [])
+    emb, mask = parts.encode_edit(texts, [resized] * len(texts))
+    req.prompt_emb, req.prompt_mask = emb[0], mask[0]
+    if req.cfg:
+        req.negative_prompt_emb, req.negative_prompt_mask = emb[1], mask[1]
+    req.context_latents = context
+    return req
+
+
+def decode_samples(parts, trajs) -> list[torch.Tensor]:
+    """Each trajectory's final sample decoded ([3, H, W] float on the CPU), one decode per token grid."""
+    grids: dict[tuple, list[int]] = {}
+    for i, t in enumerate(trajs):
+        grids.setdefault(tuple(t.request.img_fhw), []).append(i)
+    images: list = [None] * len(trajs)
+    for img_fhw, idx in grids.items():
+        decoded = parts.decode(torch.stack([trajs[i].final_sample for i in idx]), img_fhw).float().cpu()
+        for i, image in zip(idx, decoded):
+            images[i] = image
+    return images
+
+
 def request_for(entry: dict, img_fhw: tuple[int, int, int], sigmas: tuple[float, ...], family):
     """The ODE request of one line; CFG exactly when QwenImagePipeline runs it (negative prompt and scale > 1)."""
     from megatron_omni.rollout.engine import Request
@@ -224,15 +309,17 @@ def sample_lines(engine, parts, family, todo: list[dict], out: Path, state, opti
     """Sample ``todo`` in batches; each image's PNG, then its entry in this rank's manifest part."""
     from tqdm import tqdm
 
-    img_fhw = parts.latent_grid(options.height, options.width)
-    sigmas = tuple(parts.sigmas(options.steps, img_fhw).tolist())
+    if not parts.edit:
+        img_fhw = parts.latent_grid(options.height or DEFAULT_SIZE, options.width or DEFAULT_SIZE)
+        sigmas = tuple(parts.sigmas(options.steps, img_fhw).tolist())
     kept = {}
     bar = tqdm(total=len(todo), desc="generate", unit="image", disable=not progress or state.rank != 0)
     with open(out / PART.format(rank=state.rank), "a", encoding="utf-8") as part, bar:
         for start in range(0, len(todo), options.batch_size):
             chunk = todo[start:start + options.batch_size]
-            trajs = engine.generate([request_for(e, img_fhw, sigmas, family) for e in chunk])
-            images = parts.decode(torch.stack([t.final_sample for t in trajs]), img_fhw).float().cpu()
+            requests = [edit_request(e, parts, family) if parts.edit else request_for(e, img_fhw, sigmas, family)
+                        for e in chunk]
+            images = decode_samples(parts, engine.generate(requests))
             for entry, image in zip(chunk, images):
                 save_png(image, out / entry["file"])
                 part.write(json.dumps(entry) + "\n")
@@ -271,6 +358,9 @@ def contact_sheet(out: Path, entries: list[dict]) -> Path:
             if image.width > SHEET_TILE:
                 image = image.resize((SHEET_TILE, round(image.height * SHEET_TILE / image.width)), Image.LANCZOS)
             tiles.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255)
+    if len({t.shape for t in tiles}) > 1:  # edits of several aspect ratios: tiles padded (black) to the largest
+        height, width = max(t.shape[1] for t in tiles), max(t.shape[2] for t in tiles)
+        tiles = [torch.nn.functional.pad(t, (0, width - t.shape[2], 0, height - t.shape[1])) for t in tiles]
     labels = [f"{e['prompt']}\nseed {e['seed']}" for e in entries]
     return labelled_grid(torch.stack(tiles), labels, out / SHEET)
 
@@ -292,17 +382,21 @@ def generate(model: str | Path, prompts: str | Path | PromptDataset, out: str | 
         raise GenerateError(f"--lora {lora} and --checkpoint {checkpoint}: give one of them (a LoRA folder or a "
                             f"training checkpoint), not both")
     options.check()
-    dataset = prompts if isinstance(prompts, PromptDataset) else PromptDataset.from_file(prompts)
+    family, class_name = pipeline_family(model)
+    edit = class_name in family.edit_pipeline_classes
+    dataset = load_prompts(prompts, edit, model, class_name)
     out, dtype = Path(out), DTYPES[options.dtype]
     if out.exists() and not out.is_dir():
         raise GenerateError(f"--out {out} is a file; expected a folder (created if missing)")
     with parallel(options.device, options.seed) as state, loader_bars(progress and state.rank == 0):
         family, parts = load_pipeline(model, dtype, state.torch_device)
-        parts.latent_grid(options.height, options.width)  # refuses a size the VAE cannot make
+        if not edit:  # refuses a size the VAE cannot make
+            parts.latent_grid(options.height or DEFAULT_SIZE, options.width or DEFAULT_SIZE)
         module, arch, sources = load_denoiser(family, parts, dtype, state, lora, checkpoint)
-        engine = EmbeddedEngine(module, arch, parts.encode, EngineConfig(max_num_seqs=options.batch_size),
-                                initial_noise=parts.noise)
-        plan = plan_lines(dataset, options, sources)
+        # an edit's requests carry their text embeddings (encoded with the source image)
+        engine = EmbeddedEngine(module, arch, None if edit else parts.encode,
+                                EngineConfig(max_num_seqs=options.batch_size), initial_noise=parts.noise)
+        plan = plan_lines(dataset, options, sources, parts.edit_size if edit else None)
         skipped = {e["index"] for e in finished(out, plan)}
         barrier(state)  # every rank has read what an earlier run left before any rank writes
         out.mkdir(parents=True, exist_ok=True)
@@ -319,8 +413,9 @@ def generate(model: str | Path, prompts: str | Path | PromptDataset, out: str | 
 
 
 # the sampling flags: (flag, type, metavar, help); defaults are GenerateOptions'
-SETTINGS = (("--height", int, "H", "image height in pixels, e.g. --height 512"),
-            ("--width", int, "W", "image width in pixels, e.g. --width 768"),
+SETTINGS = (("--height", int, "H", f"image height in pixels (default: {DEFAULT_SIZE}; an edit: its source's ~1 MP size, the only "
+                                   f"one it takes), e.g. --height 512"),
+            ("--width", int, "W", f"image width in pixels (default: {DEFAULT_SIZE}; an edit: its source's), e.g. --width 768"),
             ("--steps", int, "N", "sampling steps, e.g. --steps 30"),
             ("--guidance", float, "G", "true CFG scale, applied only with a negative prompt, e.g. --guidance 5"),
             ("--negative-prompt", str, "TEXT", "negative prompt of the lines without their own; without one there "
@@ -349,14 +444,16 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument("--checkpoint", metavar="DIR", help="a training run dir, its checkpoints/ dir or a step "
                          "dir; the policy of its latest step, e.g. --checkpoint runs/ocr")
     p.add_argument("--prompts", required=True, metavar="FILE", help=".txt (a prompt per line) or .jsonl (\"prompt\", "
-                   "optional \"negative_prompt\" and \"seed\" per line), e.g. --prompts eval.jsonl")
+                   "optional \"negative_prompt\" and \"seed\" per line; an edit folder: .jsonl with \"prompt\" and "
+                   "\"image\", a path relative to the file), e.g. --prompts eval.jsonl")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder, created if missing; a rerun into it "
                    "skips finished lines, e.g. --out samples/base")
     defaults = GenerateOptions()
     for flag, kind, metavar, what in SETTINGS:
         default = getattr(defaults, flag[2:].replace("-", "_"))
         p.add_argument(flag, type=kind, metavar=metavar, default=default,
-                       help=f"{what} (default: {'none' if default is None else default})")
+                       help=what if flag in ("--height", "--width") else  # their help names the default
+                       f"{what} (default: {'none' if default is None else default})")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype,
                    help=f"model, text encoder and VAE dtype, e.g. --dtype float32 (default: {defaults.dtype})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device,

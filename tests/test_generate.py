@@ -205,7 +205,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(folder, lora_run, tmp_path, c
         (folder, ["--lora", str(lora), "--checkpoint", str(run)], "give one of them"),
         (variants["other_class"], [], "no model family loads diffusers class 'StableDiffusion3Pipeline'"),
         (variants["missing_vae"], [], "lacks the component 'vae'"),
-        (edit, [], "QwenImageEditPipeline folder: edit pipelines are not supported by generate yet"),
+        (edit, [], "QwenImageEditPipeline folder: --prompts"),  # an edit takes a JSONL with source images
         (variants["other_arch"], ["--checkpoint", str(run)], "num_layers=2 (model: 1)"),
         (folder, ["--prompts", str(bad_jsonl)], "bad.jsonl:2:"),
         (folder, ["--prompts", str(tmp_path / "nowhere.txt")], "nowhere.txt does not exist"),

@@ -206,3 +206,21 @@ def build_full_size_qwen_image_pipeline(out_dir: str | os.PathLike, *, layers: i
                 module.save_pretrained(out / name, safe_serialization=True)
             del module
     return out
+
+
+def edit_pipeline_processor(folder: str | os.PathLike):
+    """The ``processor/`` of an edit folder as the ``Qwen2VLProcessor`` that ``QwenImageEditPipeline`` takes (pass
+    it as ``from_pretrained(folder, processor=...)``).  Without torchvision, transformers 5.x cannot construct one
+    (its type check of the absent video processor fails: transformers#43986); the check alone is skipped then,
+    the processor's call path (image processor + image-token expansion + tokenizer) is transformers' own."""
+    import importlib.util
+    from unittest import mock
+
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+
+    folder = Path(folder)
+    if importlib.util.find_spec("torchvision") is not None:
+        return Qwen2VLProcessor.from_pretrained(folder / "processor")
+    with mock.patch.object(Qwen2VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None):
+        return Qwen2VLProcessor(image_processor=AutoImageProcessor.from_pretrained(folder / "processor"),
+                                tokenizer=AutoTokenizer.from_pretrained(folder / "processor"))

@@ -1,17 +1,15 @@
 """Qwen-Image pipeline parts (model_specs.qwen_image.pipeline) against diffusers' own pipelines on the SAME tiny
 random-init folders (megatron_omni.testing.tiny_pipelines), float32 on the CPU: text embeddings, sigmas, initial
 noise, VAE decode/encode, and a whole true-CFG Euler sampling run with the Megatron transformer."""
-import importlib.util
 import json
 import shutil
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
 from megatron_omni.rollout.samplers import cfg_combine, ode_mean_std
-from megatron_omni.testing.tiny_pipelines import build_qwen_image_pipeline
+from megatron_omni.testing.tiny_pipelines import build_qwen_image_pipeline, edit_pipeline_processor
 from model_specs.qwen_image.pipeline import (
     EDIT_DROP, EDIT_TEMPLATE, GUIDANCE_RESCALE, T2I_DROP, T2I_TEMPLATE, QwenImageEditTextEncoder, QwenImageParts,
     QwenImageScheduler, QwenImageVAE, initial_latents,
@@ -43,24 +41,11 @@ def parts(folders):
     return QwenImageParts.from_folder(folders["t2i"], torch.float32, "cpu")
 
 
-def _reference_processor(folder):
-    """QwenImageEditPipeline's ``Qwen2VLProcessor``.  Without torchvision, transformers 5.x cannot construct one
-    (its type check of the absent video processor fails: transformers#43986); the check alone is skipped then,
-    the processor's call path (image processor + image-token expansion + tokenizer) is transformers' own."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
-
-    if importlib.util.find_spec("torchvision") is not None:
-        return Qwen2VLProcessor.from_pretrained(folder / "processor")
-    with mock.patch.object(Qwen2VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None):
-        return Qwen2VLProcessor(image_processor=AutoImageProcessor.from_pretrained(folder / "processor"),
-                                tokenizer=AutoTokenizer.from_pretrained(folder / "processor"))
-
-
 @pytest.fixture(scope="module")
 def edit_pipe(folders):
     from diffusers import QwenImageEditPipeline
 
-    return QwenImageEditPipeline.from_pretrained(folders["edit"], processor=_reference_processor(folders["edit"]))
+    return QwenImageEditPipeline.from_pretrained(folders["edit"], processor=edit_pipeline_processor(folders["edit"]))
 
 
 def _source_images(n, size=64):
