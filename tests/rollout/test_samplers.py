@@ -82,7 +82,7 @@ def test_sde_at_noise_zero_is_the_ode_step_exactly(step):
 
 
 def _float64_mean_std(kind, x, v, t, tn, a, sigma_1):
-    """ALGORITHMS.md's formulas, written independently in float64."""
+    """docs/algorithms.md's formulas, written independently in float64."""
     x, v, t, tn, dt = x.double(), v.double(), float(t), float(tn), float(tn) - float(t)
     if kind == "sde":
         std_t = a * math.sqrt(t / (1 - (float(sigma_1) if t == 1 else t)))
