@@ -83,9 +83,10 @@ class Run:
 
     def text_for(self, trajs: list[Trajectory]) -> TextTable:
         """Text embeddings of the trajectories' prompts (and negative prompts with CFG) for the trainer, encoded
-        once per prompt and cached."""
-        prompts = {t.request.prompt for t in trajs}
-        prompts |= {t.request.negative_prompt for t in trajs if t.request.cfg}
+        once per prompt and cached; a request that carries its own embeddings (an edit's) needs none."""
+        prompts = {t.request.prompt for t in trajs if t.request.prompt_emb is None}
+        prompts |= {t.request.negative_prompt for t in trajs
+                    if t.request.cfg and t.request.negative_prompt_emb is None}
         missing = sorted(prompts - self.text_cache.keys())
         if missing:
             emb, mask = self.task.encode(missing)

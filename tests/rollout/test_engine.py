@@ -221,6 +221,34 @@ def test_context_latents_join_every_forward_as_their_own_frames(model):
     assert not torch.allclose(plain.latents[1], traj.latents[1], atol=1e-3)  # the context does condition it
 
 
+@pytest.mark.numerics
+def test_training_microbatches_with_context_score_the_rollouts_log_probs(model):
+    """Flow-GRPO micro-batches of context requests (text given as embeddings, as an edit's): the trainer's forward
+    on [x_t; context] at the stacked grid, its first I tokens, gives back the rollout's log-probs."""
+    from megatron_omni.algorithms.flow_grpo.microbatches import grpo_microbatches
+    from megatron_omni.algorithms.flow_grpo.step import guided_velocity, model_output, step_log_prob
+
+    emb, mask = ToyEncoder()(["a red cat", "a blue house", ""])
+    reqs = [Request(prompt=f"edit {i}", prompt_id=i, prompt_emb=emb[i], prompt_mask=mask[i],
+                    negative_prompt_emb=emb[2], negative_prompt_mask=mask[2], seed=30 + i, img_fhw=FHW, num_steps=4,
+                    noise_level=1.0, guidance_scale=3.0, window_size=2, context_latents=_context(5 + i))
+                for i in range(2)]
+    trajs = EmbeddedEngine(model, ARCH).generate(reqs)
+    mbs = grpo_microbatches(trajs, torch.zeros(2), {}, size=3)  # no text table: the requests' own embeddings
+    assert all(mb.context.shape[1:] == (16, ARCH.in_channels) for mb in mbs)
+    with torch.no_grad():
+        for mb in mbs:
+            _, log_prob, _ = step_log_prob(guided_velocity(model_output(model, mb), mb), mb)
+            assert (log_prob - mb.old_log_prob).abs().max() <= 1e-6, (log_prob, mb.old_log_prob)
+            joint = model_output(model, mb, joint=True)  # cond and uncond rows in one forward
+            assert joint.shape == (2 * mb.x_t.shape[0], 32, ARCH.in_channels)
+            assert (step_log_prob(guided_velocity(joint, mb), mb)[1] - mb.old_log_prob).abs().max() <= 1e-5
+    stage = torch.nn.Linear(1, 1)
+    stage.pre_process = False  # a pipeline stage (and a context-parallel model) refuses context tokens
+    with pytest.raises(ValueError, match="pipeline- and context-parallel size 1"):
+        model_output(stage, mbs[0])
+
+
 def test_context_latents_that_are_not_whole_frames_are_refused(model):
     engine = EmbeddedEngine(model, ARCH, ToyEncoder())
     for bad in (torch.zeros(20, ARCH.in_channels), torch.zeros(16, ARCH.in_channels + 1), torch.zeros(16)):

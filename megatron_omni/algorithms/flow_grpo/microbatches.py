@@ -3,7 +3,8 @@
 Pairs are taken in (sample, step) order and cut into micro-batches of ``size`` pairs; a micro-batch
 carries exactly what the rollout saw for each pair (x_t, x_t', t, t', the rollout's log-prob, the sampler kind
 and log-prob form that drew x_t', the prompt's text embedding and the negative prompt's when the rollout used
-true CFG).  Text is laid out as the
+true CFG; a request's own embeddings when it carries them, an edit's, else the text table's; and the request's
+context tokens, an edit's source image).  Text is laid out as the
 rollout engine lays it out (``megatron_omni.data.text_layout``): real tokens only, each prompt padded to the
 length the engine gave it (cond and negative prompt apart), a micro-batch's branch to its longest row, and no mask
 when nothing is padded.
@@ -51,14 +52,17 @@ def _text_rows(rows: list[Trajectory], text: TextTable, cfg: bool, multiple: int
     layout: every prompt padded to its own multiple of ``multiple``, the branch to its longest row."""
     real = {}  # prompt -> its real tokens (once per prompt: the boolean indexing reads the mask on the host)
 
-    def tokens(prompt: str) -> torch.Tensor:
+    def tokens(prompt: str, emb: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        if emb is not None:  # the request's own embeddings (e.g. an edit's, encoded with its source image)
+            return real_tokens(emb, mask, prompt)
         if prompt not in real:
             real[prompt] = real_tokens(*text[prompt], prompt)
         return real[prompt]
 
-    branches = [[tokens(t.request.prompt) for t in rows]]
+    branches = [[tokens(t.request.prompt, t.request.prompt_emb, t.request.prompt_mask) for t in rows]]
     if cfg:
-        branches.append([tokens(t.request.negative_prompt) for t in rows])
+        branches.append([tokens(t.request.negative_prompt, t.request.negative_prompt_emb,
+                                t.request.negative_prompt_mask) for t in rows])
     out = [pad_rows(parts, max(padded_length([p.shape[0]], multiple) for p in parts)) for parts in branches]
     return [(txt.to(device), None if mask is None else mask.to(device)) for txt, mask in out]
 
@@ -71,9 +75,12 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
     for t in trajs:
         differ = [f"{k}={getattr(t.request, k)!r} vs {getattr(req, k)!r}" for k in shared
                   if getattr(t.request, k) != getattr(req, k)]
+        ctx = [None if r.context_latents is None else tuple(r.context_latents.shape) for r in (t.request, req)]
+        if ctx[0] != ctx[1]:
+            differ.append(f"context_latents {ctx[0]} vs {ctx[1]}")
         if differ:
-            raise ValueError(f"trajectories of one training batch must share {', '.join(shared)}; request "
-                             f"{t.request.prompt_id!r} differs from the first: {'; '.join(differ)}")
+            raise ValueError(f"trajectories of one training batch must share {', '.join(shared)} and the context "
+                             f"shape; request {t.request.prompt_id!r} differs from the first: {'; '.join(differ)}")
     pairs = _pairs(trajs)
     if not pairs:
         raise ValueError("no trained steps in these trajectories (sampler 'ode', or an empty SDE window)")
@@ -100,5 +107,7 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
             old_log_prob=torch.stack([t.log_probs[j] for t, j in zip(rows, steps)]).to(device),
             advantage=advantages_N[[i for i, _ in chunk]].to(device),
             noise_level=req.noise_level, sigma_1=float(rows[0].sigmas[1]), sampler=req.sampler,
-            log_prob_form=req.log_prob_form, **uncond))
+            log_prob_form=req.log_prob_form, **uncond,
+            context=None if req.context_latents is None else
+            torch.stack([t.request.context_latents for t in rows]).to(device)))
     return out

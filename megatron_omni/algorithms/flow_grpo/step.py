@@ -89,6 +89,9 @@ class FlowGRPOMicroBatch:
     # [B, I, C] float32: the rollout's uncond output for these pairs, valid only while the weights are the
     # rollout's; set, the forward runs cond rows only and CFG combines with it (see the module docstring)
     uncond_velocity: torch.Tensor | None = None
+    # [B, S_c, C]: fixed image tokens after x_t in every forward (an edit's source image, the rollout request's
+    # context_latents), whole frames of img_fhw's grid; the velocity is the output's first I tokens
+    context: torch.Tensor | None = None
 
     def __post_init__(self):
         check_kind(self.sampler)
@@ -138,9 +141,28 @@ def model_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None, uncon
         txt_u, mask_u = _pad_text(mb.uncond_txt, mb.uncond_mask, length)
         img, txt, sigma, mask = (torch.cat([mb.x_t, mb.x_t]), torch.cat([txt_c, txt_u]), torch.cat([mb.t, mb.t]),
                                  torch.cat([mask_c, mask_u]))
+    img, fhw = _with_context(img, mb)
     if dtype is not None:
         img, txt = img.to(dtype), txt.to(dtype)
-    return img, txt, sigma, mb.img_fhw, mask
+    return img, txt, sigma, fhw, mask
+
+
+def _with_context(img: torch.Tensor, mb: FlowGRPOMicroBatch) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(the forward's image tokens, its grid): with ``mb.context``, [x; context] per row at the stacked grid."""
+    if mb.context is None:
+        return img, mb.img_fhw
+    from megatron_omni.rollout.engine import context_fhw
+
+    rows = img.shape[0] // mb.context.shape[0]  # 2 with uncond rows
+    ctx = torch.cat([mb.context] * rows) if rows > 1 else mb.context
+    return torch.cat([img, ctx.to(img.dtype)], dim=1), context_fhw(mb.img_fhw, mb.context.shape[1])
+
+
+def _check_context(model: torch.nn.Module, mb: FlowGRPOMicroBatch) -> None:
+    bare = getattr(model, "module", model)
+    if mb.context is not None and (not _whole(model) or getattr(bare, "cp_groups", None) is not None):
+        raise ValueError("micro-batches with context tokens (an edit's source image) need pipeline- and context-"
+                         "parallel size 1; expected parallel.pp = parallel.cp = 1 for edit training")
 
 
 def model_output(model: torch.nn.Module, mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None,
@@ -153,23 +175,27 @@ def model_output(model: torch.nn.Module, mb: FlowGRPOMicroBatch, dtype: torch.dt
     the longer, masked)."""
     if uncond_rows is None:
         uncond_rows = mb.uncond_rows
+    _check_context(model, mb)
     if not uncond_rows or joint or not _whole(model):
         return model(*model_inputs(mb, dtype, uncond_rows))
     if mb.uncond_txt is None:
         raise ValueError("model_output: uncond rows asked for a micro-batch without uncond_txt")
     cond = model(*model_inputs(mb, dtype, uncond_rows=False))
-    img, txt = mb.x_t, mb.uncond_txt
+    (img, fhw), txt = _with_context(mb.x_t, mb), mb.uncond_txt
     if dtype is not None:
         img, txt = img.to(dtype), txt.to(dtype)
     with torch.no_grad():
-        uncond = model(img, txt, mb.t, mb.img_fhw, mb.uncond_mask)
+        uncond = model(img, txt, mb.t, fhw, mb.uncond_mask)
     return torch.cat([cond, uncond])
 
 
 def guided_velocity(out_BIC: torch.Tensor, mb: FlowGRPOMicroBatch) -> torch.Tensor:
     """float32 velocity of the policy: the model output, or with CFG v = v_u + w·(v_c − v_u) with the
     uncond branch detached, rescaled as ``mb.cfg_rescale`` says.  v_u is the output's uncond half when it
-    has 2B rows ([cond; uncond], what ``model_inputs`` built), else ``mb.uncond_velocity``."""
+    has 2B rows ([cond; uncond], what ``model_inputs`` built), else ``mb.uncond_velocity``.  With ``mb.context``
+    the output's first I tokens (the context's own are dropped, as the rollout drops them)."""
+    if mb.context is not None:
+        out_BIC = out_BIC[:, :mb.x_t.shape[1]]
     if not mb.has_cfg:
         return out_BIC.float()
     if out_BIC.shape[0] == 2 * mb.x_t.shape[0]:
