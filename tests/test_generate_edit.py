@@ -73,7 +73,8 @@ def _png(path: Path) -> np.ndarray:
         return np.asarray(image.convert("RGB")).astype(int)
 
 
-@pytest.mark.numerics
+# not in the numerics subset: its bound (1e-4) is 500x what it measures (2e-7), so kernel rounding cannot reach it,
+# and at the edit pipeline's ~1 MP (8k tokens per forward) it is the suite's slowest test
 def test_edits_equal_diffusers(folder, prompts, tmp_path):
     out = tmp_path / "out"
     options = GenerateOptions(steps=STEPS, guidance=GUIDANCE, seed=SEED, batch_size=2, dtype="float32", device="cpu")

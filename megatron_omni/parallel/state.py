@@ -9,6 +9,7 @@ Rank layout is megatron's default order ``tp-cp-ep-dp-pp``: TP ranks are adjacen
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,8 +68,19 @@ class ParallelState:
 
 
 def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on localhost that nothing listens on right now, drawn below Linux's ephemeral range (32768 on):
+    the caller binds it seconds later, and in between any outgoing connection (gloo's, another run's) may be handed
+    an ephemeral port — one bind(0) returned (EADDRINUSE seen when two suites ran at once)."""
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded range: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
