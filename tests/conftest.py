@@ -33,3 +33,13 @@ def single_rank():
     state = init_parallel(seed=0, device="cpu")
     yield state
     destroy_parallel()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module, restored after it: tiny models run many times faster so on a shared
+    2-core machine.  Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

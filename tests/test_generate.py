@@ -33,13 +33,7 @@ TRAIN = ["model.dtype=float32", "parallel.device=cpu", "train.steps=1", "train.s
          "logging.wandb_mode=disabled", "reward.name=jpeg_compressibility"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny models run many times faster so on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

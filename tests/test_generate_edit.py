@@ -28,12 +28,7 @@ LINES = [("make the sky green", "images/square.png", (64, 64), "blurry"),
 SIZES = [(1024, 1024), (1184, 896)]  # calculate_dimensions(1024 * 1024, w / h): sides rounded to multiples of 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
