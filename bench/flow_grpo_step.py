@@ -161,7 +161,7 @@ def _text_lengths(run, step: int) -> tuple[float, int]:
     return statistics.mean(tokens(r.prompt) for r in requests), tokens(requests[0].negative_prompt)
 
 
-def run_ours(cfg, steps: int, profile: bool) -> tuple[LoopResult, dict]:
+def run_ours(cfg, steps: int, warmup: int, profile: bool) -> tuple[LoopResult, dict]:
     """The product's loop: build_run, then rl_step; (result, the shape it ran for the reference)."""
     from megatron_omni.data.tasks import task_for
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
@@ -184,11 +184,12 @@ def run_ours(cfg, steps: int, profile: bool) -> tuple[LoopResult, dict]:
         loaded = time.perf_counter()
         run, first = build_run(cfg, state, task, Path(cfg.train.output_dir), resume=False)
         built = time.perf_counter()
-        timed = []
-        for step in range(first, first + steps + 1):  # the first step warms up (and compiles)
+        timed, warm = [], []
+        for step in range(first, first + warmup + steps):  # the warm-up steps compile (static, then dynamic)
             metrics = rl_step(run, step)["metrics"]
-            if step == first:
-                warm = metrics["step_seconds"]
+            print(f"ours step {step}: {metrics['step_seconds']:.2f} s", flush=True)
+            if step < first + warmup:
+                warm.append(metrics["step_seconds"])
                 continue
             metrics["dit_seconds"] = sum(metrics[f"{p}_seconds"] for p in DIT_PHASES)
             metrics["step_flops"] = metrics["tflops_per_second"] * 1e12 * metrics["step_seconds"]
@@ -202,15 +203,17 @@ def run_ours(cfg, steps: int, profile: bool) -> tuple[LoopResult, dict]:
         result.notes.append(f"ours ready in {built - start:.1f} s: the task (text encoder, VAE: data.task=pipeline) "
                             f"{loaded - start:.1f} s, build_run {built - loaded:.1f} s (policy with LoRA "
                             f"{trainable / 1e6:.1f} M trainable params, optimizer, engine, first weight push); "
-                            f"warm-up step {warm:.1f} s" + (" (compile included)" if compiled else ""))
-        prompt_tokens, negative_tokens = _text_lengths(run, first + steps)
+                            f"warm-up steps " + ", ".join(f"{w:.1f}" for w in warm) + " s"
+                            + (" (compile included: static graphs, then dynamic ones at the second text length)"
+                               if compiled else ""))
+        prompt_tokens, negative_tokens = _text_lengths(run, first + warmup + steps - 1)
         shape = dict(arch=cfg.model.arch, img_fhw=task.img_fhw, text_tokens=round(prompt_tokens),
                      negative_tokens=negative_tokens)
         result.notes.append(f"ours: {len(task.prompts)} training prompts (the packaged OCR set less "
                             f"{len(task.eval_prompts)} held out), the last step's {prompt_tokens:.0f} prompt tokens "
                             f"on average, {negative_tokens} for the negative prompt; image grid {task.img_fhw}")
         if profile and device.type == "cuda":
-            _profile(run, rl_step, first + steps + 1)
+            _profile(run, rl_step, first + warmup + steps)
     except torch.OutOfMemoryError as e:
         result.error = f"out of memory ({str(e).splitlines()[0]}); --layers N / --text-layers N shrink the model"
     finally:
@@ -353,6 +356,9 @@ def main(argv=None) -> None:
                    help="the transformer at random init (model.random_init=true): the random folder then holds its "
                         "config.json only (no 41 GB of weights written and read; the FLOPs are the same)")
     p.add_argument("--steps", type=int, default=5, help="timed RL steps after one warm-up (median)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed RL steps first (default 2 with --compile / --compile-train: the compiled blocks "
+                        "recompile once, dynamic, at the second text length; else 1)")
     p.add_argument("--group", type=int, default=None, help=f"samples per prompt (16; --smoke: {SMOKE_GROUP})")
     p.add_argument("--prompts", type=int, default=1, help="prompts per RL step")
     p.add_argument("--micro-batch", type=int, default=4, help="(sample, step) pairs per training forward")
@@ -366,6 +372,10 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny folder on the CPU: checks the script")
     args = p.parse_args(argv)
     args.group = args.group or (SMOKE_GROUP if args.smoke else 16)
+    if args.warmup is None:
+        args.warmup = 2 if args.compile or args.compile_train else 1
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: expected an integer >= 0")
     if min(args.steps, args.group, args.prompts, args.micro_batch, args.layers, args.text_layers) < 1:
         p.error(f"--steps {args.steps}, --group {args.group}, --prompts {args.prompts}, --micro-batch "
                 f"{args.micro_batch}, --layers {args.layers}, --text-layers {args.text_layers}: expected integers >= 1")
@@ -376,9 +386,9 @@ def main(argv=None) -> None:
     try:
         folder, about = pipeline_folder(args, scratch)
         reward, reward_note = reward_name(args)
-        cfg = run_config(args, folder, scratch / "run", reward, steps + 3)
+        cfg = run_config(args, folder, scratch / "run", reward, args.warmup + steps + 3)
         notes = [f"model.path: {about}"] + ([reward_note] if reward_note else [])
-        ours, shape = run_ours(cfg, steps, args.profile)
+        ours, shape = run_ours(cfg, steps, args.warmup, args.profile)
         results = [ours]
         if not args.skip_reference and shape:
             recipe = make_recipe(args.smoke, group=args.group, prompts=args.prompts, **shape)

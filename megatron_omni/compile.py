@@ -3,8 +3,11 @@
 The model's blocks run ``blocks_per_graph`` at a time (1 by default) through one compiled function
 (``model_specs.common.block_runner``), and every such slice shares one compiled graph per input shape
 (parameters are graph inputs, so the 60 blocks of a Qwen-Image reuse the first slice's code).  Shapes are
-static (``dynamic=False``): the rollout's rows and the trainer's micro-batches are a handful of fixed shapes, and
-each gets kernels tuned for it.
+static at first and dynamic after the first change (``dynamic=None``, dynamo's automatic dynamic shapes): the
+first shape gets kernels specialised to it, and a second one (another prompt's text length, a partial rollout
+batch) recompiles once with the dimensions that changed symbolic, so later lengths reuse that graph.  With static
+graphs every prompt length of a real prompt set was a new compilation (tens of seconds each, at every RL step of
+the OCR recipe on an H200).
 Grad mode is part of the guard, so the rollout (no_grad) and training (forward + backward through
 AOTAutograd) compile separate graphs of the same blocks.
 
@@ -40,7 +43,7 @@ BLOCKS_PER_GRAPH = 1
 
 
 def compile_blocks(model: torch.nn.Module, mode: str, blocks_per_graph: int | None = None) -> None:
-    """``model.blocks`` under ``torch.compile(mode=mode, dynamic=False)``, ``blocks_per_graph`` consecutive blocks
+    """``model.blocks`` under ``torch.compile(mode=mode, dynamic=None)``, ``blocks_per_graph`` consecutive blocks
     per graph (None: ``BLOCKS_PER_GRAPH``), in place: the model's ``block_runner`` is replaced."""
     if mode not in MODES:
         raise ValueError(f"compile mode {mode!r}; expected one of {MODES}")
@@ -48,7 +51,7 @@ def compile_blocks(model: torch.nn.Module, mode: str, blocks_per_graph: int | No
     if blocks is None or not isinstance(getattr(model, "block_runner", None), BlockRunner):
         raise ValueError(f"{type(model).__name__} has no .blocks run by a .block_runner to compile "
                          f"(model_specs.common.block_runner)")
-    runner = BlockRunner(torch.compile(run_blocks, mode=mode, dynamic=False),
+    runner = BlockRunner(torch.compile(run_blocks, mode=mode, dynamic=None),
                          BLOCKS_PER_GRAPH if blocks_per_graph is None else blocks_per_graph)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING" not in os.environ:  # (an explicit setting wins)
