@@ -14,7 +14,7 @@ from megatron_omni.algorithms.base import Algorithm, RecordSpec
 from megatron_omni.algorithms.flow_grpo.loss import FlowGRPOLossConfig
 from megatron_omni.algorithms.flow_grpo.microbatches import grpo_microbatches, without_reused_uncond
 from megatron_omni.algorithms.flow_grpo.step import flow_grpo_forward_step
-from megatron_omni.data.prompts import PromptDataset, request_seed
+from megatron_omni.data.prompts import request_seed
 from megatron_omni.data.text_layout import padded_length
 from megatron_omni.rollout.engine import Request, Trajectory
 from megatron_omni.trainer.mfu import forward_flops, lora_forward_flops, varlen_step_flops
@@ -44,20 +44,24 @@ class FlowGRPO(Algorithm):
         return flow_grpo_forward_step(self.loss_config(cfg), reference=reference)
 
     def requests(self, run, step: int) -> list[Request]:
-        """prompts_per_step prompts drawn for this step (seeded by it), each repeated group_size times."""
+        """prompts_per_step prompts drawn for this step (seeded by it), each repeated group_size times, with the
+        negative prompt of its record (else the empty one) and the fields its record brings (an edit's source
+        image and text encoded with it: ``Task.inputs_for``)."""
         cfg, r = run.cfg, run.cfg.rollout
-        picks = PromptDataset.from_prompts(run.task.prompts).sample(step, cfg.train.seed, r.prompts_per_step)
+        picks = run.task.dataset().sample(step, cfg.train.seed, r.prompts_per_step)
         # Each sample draws its own SDE window from its seed.  One window shared by the whole step
         # (MixGRPO's schedule) was tried on the digits demo: the judge fell to 0.14-0.3 by step 30-40 while
         # the reward rose (reward hacking), against 0.34 -> 0.62 with per-sample windows.
         keep = self.record_spec(cfg).uncond_outputs
         schedule = None if run.task.sigmas is None else tuple(run.task.sigmas(r.num_steps).tolist())
+        inputs = [run.task.inputs_for(p, p.negative_prompt or "", r.guidance_scale > 1) for p in picks]
         return [Request(prompt=p.prompt, prompt_id=k, seed=request_seed(cfg.train.seed, step, k * r.group_size + i),
+                        negative_prompt=p.negative_prompt or "",
                         img_fhw=run.task.img_fhw, num_steps=r.num_steps, shift=r.shift, sigmas=schedule,
                         sampler=r.sampler,
                         noise_level=r.noise_level, log_prob_form=r.log_prob_form, window_size=r.window_size,
                         window_range=r.window_range, guidance_scale=r.guidance_scale,
-                        cfg_rescale=run.family.guidance_rescale, keep_uncond_velocity=keep)
+                        cfg_rescale=run.family.guidance_rescale, keep_uncond_velocity=keep, **inputs[k])
                 for k, p in enumerate(picks) for i in range(r.group_size)]
 
     def _microbatches(self, run, trajs: list[Trajectory], advantages: torch.Tensor, text) -> list:
@@ -87,7 +91,7 @@ class FlowGRPO(Algorithm):
         """Optimizer steps over all (sample, trained step) pairs, ``train.global_batch_size`` pairs each.  Only the
         first runs with the rollout's weights: later ones recompute the uncond branch (a reused v_u there would be
         the old policy's and change the gradient)."""
-        mbs = self._microbatches(run, trajs, advantages.advantages, text)
+        mbs = self.train_microbatches(run, trajs, advantages, text)
         per_opt_step = max(1, run.cfg.train.global_batch_size // run.cfg.train.micro_batch_size)
         metrics, norms = [], []
         for batch in self.optimizer_steps(mbs, per_opt_step):
@@ -100,38 +104,53 @@ class FlowGRPO(Algorithm):
                        zero_std_ratio=advantages.zero_std_ratio)
         return summary
 
+    def train_microbatches(self, run, trajs: list[Trajectory], advantages: GroupAdvantages, text) -> list:
+        """The micro-batches ``train`` runs (a subclass adds what its loss needs, e.g. the old policy's means)."""
+        return self._microbatches(run, trajs, advantages.advantages, text)
+
     def optimizer_steps(self, mbs: list, per_opt_step: int) -> list[list]:
         """The micro-batches of each optimizer step.  Only the first runs with the weights the rollout used: later
         ones recompute the uncond branch (a reused v_u there would be the old policy's and change the gradient)."""
         steps = [mbs[k:k + per_opt_step] for k in range(0, len(mbs), per_opt_step)]
         return steps[:1] + [without_reused_uncond(s) for s in steps[1:]]
 
-    def flops(self, run, trajs: list[Trajectory], text) -> float:
-        """The step's DiT FLOPs: the forwards actually run, each row at the text length it ran at (``text``: prompt
-        -> (embedding, mask), laid out as the engine lays it out); no uncond rows where the rollout's uncond output
-        was reused; with LoRA, no weight gradients of the frozen base and the adapters' own FLOPs."""
+    def flops(self, run, trajs: list[Trajectory], text, check_samples: int | None = None) -> float:
+        """The step's DiT FLOPs: the forwards actually run, each row at the image tokens (its grid and an edit's
+        context) and text length it ran at (``text``: prompt -> (embedding, mask), laid out as the engine lays it
+        out; a request's own embeddings where it carries them); no uncond rows where the rollout's uncond output
+        was reused; with LoRA, no weight gradients of the frozen base and the adapters' own FLOPs.
+        ``check_samples``: the samples the forward-only check scores (default ``algorithm.logprob_check_samples``)."""
         cfg = run.cfg
-        arch, fhw = cfg.model.arch, run.task.img_fhw
-        image_tokens, lengths = fhw[0] * fhw[1] * fhw[2], {}
+        arch, lengths = cfg.model.arch, {}
 
-        def length(prompt: str) -> int:
+        def length(prompt: str, emb, mask) -> int:
+            if emb is not None:  # the request's own embeddings (an edit's)
+                return padded_length([emb.shape[0] if mask is None else int(mask.sum())], cfg.rollout.text_pad_multiple)
             if prompt not in lengths:
-                emb, mask = text[prompt]
-                lengths[prompt] = padded_length([emb.shape[0] if mask is None else int(mask.sum())],
-                                                cfg.rollout.text_pad_multiple)
+                lengths[prompt] = length(prompt, *text[prompt])
             return lengths[prompt]
 
-        def per_row(n: int) -> tuple[float, float]:
+        def row(t: Trajectory, negative: bool) -> tuple[int, int]:
+            """(image tokens, text tokens) of one of the trajectory's rows: its grid plus its context tokens."""
+            q = t.request
+            image = q.img_fhw[0] * q.img_fhw[1] * q.img_fhw[2]
+            image += 0 if q.context_latents is None else q.context_latents.shape[0]
+            if negative:
+                return image, length(q.negative_prompt, q.negative_prompt_emb, q.negative_prompt_mask)
+            return image, length(q.prompt, q.prompt_emb, q.prompt_mask)
+
+        def per_row(key: tuple[int, int]) -> tuple[float, float]:
+            image_tokens, n = key
             return (forward_flops(arch, 1, image_tokens, n),
                     lora_forward_flops(arch, cfg.lora.rank, cfg.lora_targets, 1, image_tokens, n))
 
         with_cfg, reuse = cfg.rollout.guidance_scale > 1, self.reuses_uncond(cfg)
-        samples = [(length(t.request.prompt), length(t.request.negative_prompt) if with_cfg else None,
-                    int(t.trained.sum())) for t in trajs]
+        samples = [(row(t, False), row(t, True) if with_cfg else None, int(t.trained.sum())) for t in trajs]
         pairs = sum(n for _, _, n in samples)
         reused = min(pairs, max(cfg.train.global_batch_size, cfg.train.micro_batch_size)) if reuse else 0
+        checked = cfg.algorithm.logprob_check_samples if check_samples is None else check_samples
         return varlen_step_flops(per_row, samples, rollout_steps=cfg.rollout.num_steps, frozen_base=cfg.lora.rank > 0,
-                                 reused_uncond_pairs=reused, check_samples=cfg.algorithm.logprob_check_samples,
+                                 reused_uncond_pairs=reused, check_samples=checked,
                                  check_reuses_uncond=reuse, kl=cfg.algorithm.kl_beta > 0)
 
 

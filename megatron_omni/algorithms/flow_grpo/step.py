@@ -235,11 +235,12 @@ def loss_func(mb: FlowGRPOMicroBatch, config: FlowGRPOLossConfig, ref_out: torch
 
 
 def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | None = None, *,
-                           joint_uncond: bool = False):
+                           joint_uncond: bool = False, loss: Callable = loss_func):
     """``forward_step_func(data_iterator, model)`` for megatron's ``forward_backward_func``; the iterator
     yields ``FlowGRPOMicroBatch``es.  ``reference`` is required when ``config.kl_beta > 0``.  ``joint_uncond``:
     cond and uncond rows in one padded forward on a whole model too, as a pipeline stage runs them (see
-    ``model_output``)."""
+    ``model_output``).  ``loss``: the megatron ``loss_func`` with ``loss_func``'s signature (another algorithm of
+    the family swaps in its own loss on the same forward; ``config`` is handed to it)."""
     if config.kl_beta > 0 and reference is None:
         raise ValueError(f"kl_beta={config.kl_beta} needs a reference policy: pass reference= (e.g. "
                          f"model_specs.common.lora.disable_adapters, or lambda m: contextlib.nullcontext(ref_model))")
@@ -259,7 +260,7 @@ def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | 
                                  "run the reference's own uncond branch")
             with torch.no_grad(), reference(model) as ref_model:  # its own uncond rows: a reused v_u is the policy's
                 ref_out = model_output(ref_model, mb, dtype, uncond_rows=mb.has_cfg, joint=joint_uncond)
-        return output, partial(loss_func, mb, config, ref_out)
+        return output, partial(loss, mb, config, ref_out)
 
     return forward_step
 
