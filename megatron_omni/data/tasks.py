@@ -9,7 +9,7 @@ file (``data.prompts``), so that the rollout's ODE sampling is the pipeline's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +30,26 @@ class Task:
     noise: Callable | None = None  # (generator, img_fhw) -> initial latents [S_I, C]; None: randn
     # decoded images -> float [N, C, H, W] in [0, 1] for sample grids; None: the decoded images are [N, H, W] gray
     preview: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # the records behind ``prompts`` / ``eval_prompts`` (an edit's carry their source images); None: the prompts
+    records: Any = None  # megatron_omni.data.prompts.PromptDataset
+    eval_records: Any = None
+    # (record, negative prompt, true CFG) -> Request fields of its own: an edit's context_latents and its
+    # prompt / negative-prompt embeddings encoded with its source image; None: none (the engine encodes the text)
+    request_inputs: Callable[[Any, str, bool], dict] | None = None
+
+    def dataset(self, held_out: bool = False):
+        """The training (``held_out``: eval) records as a PromptDataset, in the order of ``prompts``."""
+        from megatron_omni.data.prompts import PromptDataset
+
+        records = self.eval_records if held_out else self.records
+        if records is not None:
+            return records
+        prompts = self.eval_prompts if held_out else self.prompts
+        return PromptDataset.from_prompts(prompts) if prompts else None
+
+    def inputs_for(self, record, negative_prompt: str, cfg: bool) -> dict:
+        """The Request fields ``record`` brings (``request_inputs``), {} for a text-only task."""
+        return {} if self.request_inputs is None else self.request_inputs(record, negative_prompt, cfg)
 
 
 def build_task(name: str, text_max_tokens: int = 16) -> Task:
@@ -54,16 +74,23 @@ def pipeline_task(cfg, device="cpu") -> Task:
     """The ``model.path`` pipeline folder's parts (its model family's) and the ``data.prompts`` prompts, with
     ``data.eval_prompts`` of them held out (a fixed split by ``train.seed``); images decode to uint8 [N, H, W, 3],
     what the image rewards read."""
-    from megatron_omni.data.prompts import PromptDataset, load_ocr_prompts, split
+    from megatron_omni.data.prompts import EditDataset, PromptDataset, load_ocr_prompts, split
 
     family, d = cfg.model.family_impl, cfg.data
     if cfg.model.path is None:
         raise ValueError(f"data.task: 'pipeline' needs model.path=DIR, a diffusers pipeline folder (model_index.json) "
                          f"of {list(family.pipeline_classes)}")
     parts = family.pipeline(cfg.model.path, cfg.model.torch_dtype, device)
-    dataset = PromptDataset.from_file(d.prompts) if d.prompts else load_ocr_prompts()
-    train, held_out = split(dataset, eval_count=d.eval_prompts, seed=cfg.train.seed)
     img_fhw = parts.latent_grid(d.height, d.width)
+    if parts.edit and not d.prompts:
+        raise ValueError(f"{cfg.model.path} is an edit pipeline folder ({parts.pipeline_class}): it trains on edit "
+                         f"instructions with source images; expected data.prompts=FILE.jsonl with a "
+                         f'{{"prompt": ..., "image": ...}} per line')
+    if parts.edit:
+        dataset = EditDataset.from_file(d.prompts)
+    else:
+        dataset = PromptDataset.from_file(d.prompts) if d.prompts else load_ocr_prompts()
+    train, held_out = split(dataset, eval_count=d.eval_prompts, seed=cfg.train.seed)
 
     def decode(latents_NIC: torch.Tensor) -> torch.Tensor:
         images_N3HW = parts.decode(latents_NIC, img_fhw).float().cpu()
@@ -73,4 +100,31 @@ def pipeline_task(cfg, device="cpu") -> Task:
                 decode=decode, text_dim=family.text_dim(cfg.model.arch),
                 latent_channels=family.latent_channels(cfg.model.arch), eval_prompts=held_out.prompts,
                 sigmas=lambda n: parts.sigmas(n, img_fhw), noise=parts.noise,
-                preview=lambda images: images.permute(0, 3, 1, 2).float() / 255)
+                preview=lambda images: images.permute(0, 3, 1, 2).float() / 255, records=train,
+                eval_records=held_out, request_inputs=EditInputs(parts, (d.height, d.width)) if parts.edit else None)
+
+
+class EditInputs:
+    """An edit record's Request fields at the run's image size: its source image resized to (height, width) and
+    VAE-encoded as ``context_latents`` (``parts.edit_inputs``), the instruction and, with true CFG, the negative
+    prompt encoded with that resized image (``parts.encode_edit``).  Kept for the ``capacity`` records used last
+    (a record is drawn again and again: once per group member, and at later steps)."""
+
+    def __init__(self, parts, size: tuple[int, int], capacity: int = 256):
+        self.parts, self.size, self.capacity = parts, size, capacity
+        self._cache: dict = {}  # key -> fields, oldest first
+
+    def __call__(self, record, negative_prompt: str, cfg: bool) -> dict:
+        key = (record.split_key(), negative_prompt, cfg)
+        fields = self._cache.pop(key, None)
+        if fields is None:
+            _, context, resized = self.parts.edit_inputs(record.load_image(), self.size)
+            texts = [record.prompt] + ([negative_prompt] if cfg else [])
+            emb, mask = self.parts.encode_edit(texts, [resized] * len(texts))
+            fields = dict(context_latents=context, prompt_emb=emb[0], prompt_mask=mask[0])
+            if cfg:
+                fields.update(negative_prompt_emb=emb[1], negative_prompt_mask=mask[1])
+            if len(self._cache) >= self.capacity:
+                self._cache.pop(next(iter(self._cache)))
+        self._cache[key] = fields  # (re)inserted last: the most recently used
+        return fields

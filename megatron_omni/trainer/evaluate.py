@@ -12,12 +12,18 @@ EVAL_SEED = 7_777  # the eval samples' seeds: request_seed(EVAL_SEED, 0, i), wha
 
 
 def eval_requests(run) -> list[Request]:
+    """One ODE request per held-out record (with its negative prompt, and an edit's source image)."""
     r, task = run.cfg.rollout, run.task
+    records = task.dataset(held_out=True)
+    if records is None:
+        return []
     schedule = None if task.sigmas is None else tuple(task.sigmas(r.num_steps).tolist())
-    return [Request(prompt=p, prompt_id=i, seed=request_seed(EVAL_SEED, 0, i), img_fhw=task.img_fhw,
-                    num_steps=r.num_steps, shift=r.shift, sigmas=schedule, sampler="ode",
-                    guidance_scale=r.guidance_scale, cfg_rescale=run.family.guidance_rescale)
-            for i, p in enumerate(task.eval_prompts)]
+    cfg = r.guidance_scale > 1
+    return [Request(prompt=p.prompt, prompt_id=i, seed=request_seed(EVAL_SEED, 0, i), img_fhw=task.img_fhw,
+                    negative_prompt=p.negative_prompt or "", num_steps=r.num_steps, shift=r.shift, sigmas=schedule,
+                    sampler="ode", guidance_scale=r.guidance_scale, cfg_rescale=run.family.guidance_rescale,
+                    **task.inputs_for(p, p.negative_prompt or "", cfg))
+            for i, p in enumerate(records)]
 
 
 def evaluate(run, step: int) -> dict[str, float]:

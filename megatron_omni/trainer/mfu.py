@@ -16,7 +16,7 @@ row (forward, activation gradient, adapter weight gradient); the KL reference ru
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -60,19 +60,21 @@ def step_flops(forward_flops_per_row: float, rollout_rows: int, check_rows: int,
             + adapter_flops_per_row * (policy_forwards + 2 * train_rows))  # adapters: A and B get weight gradients
 
 
-def varlen_step_flops(per_row: Callable[[int], tuple[float, float]], trajectories: list[tuple[int, int | None, int]],
+def varlen_step_flops(per_row: Callable[[Hashable], tuple[float, float]],
+                      trajectories: list[tuple[Hashable, Hashable | None, int]],
                       *, rollout_steps: int, frozen_base: bool, reused_uncond_pairs: int = 0, check_samples: int = 0,
                       check_reuses_uncond: bool = False, kl: bool = False) -> float:
     """FLOPs of one FlowGRPO step whose rows run at different text lengths (each prompt and negative prompt at its
     own, as the rollout engine and the trainer lay text out), as ``step_flops`` counts them row by row.
 
-    ``trajectories``: per sample in training order, (its prompt's text length, its negative prompt's or None
-    without CFG, its trained pairs); ``per_row(L)``: (base forward FLOPs, adapter FLOPs) of one row at text
-    length L.  Rows: the rollout's steps (cond and uncond); per trained pair a cond forward + backward, an uncond
+    ``trajectories``: per sample in training order, (the shape of its cond rows, its uncond rows' or None
+    without CFG, its trained pairs), a shape being any key ``per_row`` takes (a text length; (image tokens, text
+    length) where grids or context tokens differ); ``per_row(key)``: (base forward FLOPs, adapter FLOPs) of one
+    row of that shape.  Rows: the rollout's steps (cond and uncond); per trained pair a cond forward + backward, an uncond
     forward unless among the first ``reused_uncond_pairs`` pairs (the rollout's output reused); the log-prob check
     of the first ``check_samples`` samples' pairs (cond rows only when ``check_reuses_uncond``); with ``kl`` the
     reference's cond and uncond rows (base only)."""
-    forward, train, reference = Counter(), Counter(), Counter()  # text length -> rows
+    forward, train, reference = Counter(), Counter(), Counter()  # row shape -> rows
     reused_left = reused_uncond_pairs
     for i, (cond, uncond, pairs) in enumerate(trajectories):
         forward[cond] += rollout_steps
@@ -88,10 +90,10 @@ def varlen_step_flops(per_row: Callable[[int], tuple[float, float]], trajectorie
                                                                else 0)
         reference[uncond] += pairs if kl else 0
     total = 0.0
-    for length in forward.keys() | train.keys():
-        base, adapter = per_row(length)
-        total += step_flops(base, forward[length], 0, train[length], frozen_base=frozen_base,
-                            adapter_flops_per_row=adapter, reference_rows=reference[length])
+    for shape in forward.keys() | train.keys():
+        base, adapter = per_row(shape)
+        total += step_flops(base, forward[shape], 0, train[shape], frozen_base=frozen_base,
+                            adapter_flops_per_row=adapter, reference_rows=reference[shape])
     return total
 
 

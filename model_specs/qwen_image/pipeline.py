@@ -344,16 +344,23 @@ class QwenImageParts:
         width, height = edit_resolution(*image_size)
         return height, width
 
-    def edit_inputs(self, image) -> tuple[tuple[int, int, int], torch.Tensor, object]:
+    def edit_inputs(self, image, size: tuple[int, int] | None = None) -> tuple[tuple[int, int, int], torch.Tensor,
+                                                                                object]:
         """(img_fhw, context [I, C], resized PIL) of a source image, as ``QwenImageEditPipeline.__call__`` at its
         default size: the image resized (Lanczos, the pipeline's image processor) to :func:`edit_resolution`, which
         is also the output's size (token grid img_fhw); ``context``: its VAE encoding, packed (``prepare_latents``'s
-        image_latents), the frame after the sampled one; the resized image is what the text encoder sees."""
+        image_latents), the frame after the sampled one; the resized image is what the text encoder sees.
+        ``size`` (height, width): resize to it instead (training at one grid for every source; the pipeline's
+        computation whenever its default size for the source is that size)."""
         import numpy as np
         from PIL import Image
 
         self._require_edit("edit_inputs")
-        width, height = edit_resolution(*image.size)
+        if size is None:
+            width, height = edit_resolution(*image.size)
+        else:
+            height, width = size
+            self.latent_grid(height, width)  # refuses a size the VAE cannot make
         resized = image.convert("RGB").resize((width, height), resample=Image.LANCZOS, reducing_gap=None)
         pixels_13HW = torch.from_numpy(np.asarray(resized, dtype=np.float32) / 255.0).permute(2, 0, 1)[None]
         return self.latent_grid(height, width), self.vae.encode(pixels_13HW)[0], resized
