@@ -23,6 +23,7 @@ import torch
 # name -> module holding FAMILY, a ModelFamily instance; one line per family
 FAMILIES = {
     "qwen_image": "model_specs.qwen_image.family",
+    "sd3": "model_specs.sd3.family",
 }
 
 

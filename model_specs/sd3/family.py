@@ -1,0 +1,110 @@
+"""SD3 / SD3.5 as a ``ModelFamily`` (model_specs.family): diffusers' ``SD3Transformer2DModel`` as megatron-core
+specs, its mapping table (checkpoints_convert/sd3.py) and FLOPs.
+
+Not here yet (issue 22, parts 3-5): the ``StableDiffusion3Pipeline`` parts (CLIP-L / CLIP-G / T5 text encoders
+with the 77 + 256 token layout and pooled outputs, the VAE with its scaling and shift, the scheduler's shift);
+so no pipeline class is claimed and :meth:`SD3Family.pipeline` raises NotImplementedError.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from model_specs.family import ModelFamily
+from model_specs.sd3.config import DIFFUSERS_CLASS, SD3Config, sd35_medium
+
+# flow_grpo's SD3.5 LoRA preset: the joint attention's projections of both streams (not attn2, not the MLPs)
+SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                    "attn.add_v_proj", "attn.to_add_out")
+
+
+class SD3Family(ModelFamily):
+    name = "sd3"
+    arch_class = SD3Config
+    transformer_class = DIFFUSERS_CLASS
+    guidance_rescale = None  # plain CFG, as StableDiffusion3Pipeline
+    lora_targets = SD3_LORA_TARGETS
+
+    def default_arch(self) -> SD3Config:
+        return sd35_medium()
+
+    def arch_from_config(self, config: dict[str, Any]) -> SD3Config:
+        return SD3Config.from_diffusers(config)
+
+    def arch_to_config(self, arch: SD3Config) -> dict[str, Any]:
+        return arch.to_diffusers()
+
+    def check_layout(self, arch: SD3Config, tp: int = 1, ulysses: int = 1, pipeline_chunks: int = 1) -> None:
+        arch.validate(tp)
+        if arch.num_attention_heads % (tp * ulysses):  # Ulysses re-splits a TP rank's heads: whole heads each
+            raise ValueError(f"tp*ulysses = {tp}*{ulysses} does not divide num_attention_heads="
+                             f"{arch.num_attention_heads}; expected a divisor")
+        if arch.num_layers % pipeline_chunks:
+            raise ValueError(f"num_layers={arch.num_layers} does not split over pp*vpp = {pipeline_chunks} pipeline "
+                             f"chunks; expected a multiple of {pipeline_chunks}")
+
+    def num_blocks(self, arch: SD3Config) -> int:
+        return arch.num_layers
+
+    def num_heads(self, arch: SD3Config) -> int:
+        return arch.num_attention_heads
+
+    def text_dim(self, arch: SD3Config) -> int:
+        return arch.joint_attention_dim
+
+    def latent_channels(self, arch: SD3Config) -> int:
+        if arch.out_features != arch.in_features:
+            raise ValueError(f"the model predicts {arch.out_features} channels per token but takes "
+                             f"{arch.in_features}; a velocity must have the latent's shape")
+        return arch.in_features
+
+    def transformer_config(self, arch: SD3Config, tp: int = 1, params_dtype: torch.dtype = torch.float32,
+                           **overrides):
+        return arch.transformer_config(tp, params_dtype=params_dtype, **overrides)
+
+    def build(self, arch: SD3Config, config, tp_group, backend: str = "local", *, cp_groups=None,
+              pre_process: bool = True, post_process: bool = True, layers: Sequence[int] | None = None):
+        from model_specs.sd3.model import SD3Model
+        from model_specs.sd3.spec import sd3_block_spec
+
+        context_parallel = cp_groups is not None and cp_groups.cp > 1
+        spec = sd3_block_spec(backend, arch.qk_norm is not None, context_parallel=context_parallel)
+        return SD3Model(arch, config, tp_group, spec, cp_groups=cp_groups, pre_process=pre_process,
+                        post_process=post_process, layers=layers)
+
+    def pipeline(self, path, dtype: torch.dtype = torch.float32, device="cpu"):
+        raise NotImplementedError(
+            f"model family 'sd3' loads no pipeline folders yet ({path}): the StableDiffusion3Pipeline parts (CLIP-L "
+            f"and CLIP-G pooled + penultimate states and T5 with the 77 + 256 token layout, the 16-channel VAE with "
+            f"its scaling and shift factors, the scheduler's shift) and a way for the denoiser protocol to carry "
+            f"the pooled text embeddings (SD3Model's pooled_BP) are not built (issue 22, part 3)")
+
+    def rules(self, arch: SD3Config) -> list:
+        from checkpoints_convert.sd3 import sd3_rules
+
+        return sd3_rules(arch)
+
+    def global_rules(self) -> list:
+        from checkpoints_convert.sd3 import GLOBAL_RULES
+
+        return GLOBAL_RULES
+
+    def block_rules(self) -> list:
+        raise NotImplementedError(
+            "SD3 blocks do not share one rule template (MMDiT-X attn2 in dual_attention_layers, the last block's "
+            "context_pre_only): use rules(arch), or checkpoints_convert.sd3.block_rules(arch, i) for block i")
+
+    def forward_flops(self, arch: SD3Config, batch: int, image_tokens: int, text_tokens: int) -> float:
+        from model_specs.sd3.flops import forward_flops
+
+        return forward_flops(arch, batch, image_tokens, text_tokens)
+
+    def lora_forward_flops(self, arch: SD3Config, rank: int, targets, batch: int, image_tokens: int,
+                           text_tokens: int) -> float:
+        from model_specs.sd3.flops import lora_forward_flops
+
+        return lora_forward_flops(arch, rank, targets, batch, image_tokens, text_tokens)
+
+
+FAMILY = SD3Family()
