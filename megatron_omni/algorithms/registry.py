@@ -6,6 +6,9 @@ import importlib
 
 ALGORITHMS = {
     "flow_grpo": "megatron_omni.algorithms.flow_grpo",
+    "mix_grpo": "megatron_omni.algorithms.mix_grpo",
+    "grpo_guard": "megatron_omni.algorithms.grpo_guard",
+    "flow_dppo": "megatron_omni.algorithms.flow_dppo",
 }
 
 

@@ -247,7 +247,41 @@ class RolloutConfig(EngineConfig):
 
 
 @dataclass
+class MixGRPOConfig:
+    """algorithm.mix_grpo: where the SDE window (rollout.window_size steps, starts in rollout.window_range) lies
+    at each RL step (megatron_omni.algorithms.mix_grpo)."""
+
+    # progressive: the start moves by `stride` every `period` RL steps from the range's first start, back to it
+    # past the last; random: drawn per RL step (seeded by it)
+    window_mode: Literal["progressive", "random"] = "progressive"
+    shared: bool = True  # one window for every sample of the step; false: each sample draws its own (random only)
+    stride: int = 1
+    period: int = 1
+
+    def validate(self) -> None:
+        _require_positive("algorithm.mix_grpo", stride=self.stride, period=self.period)
+        if not self.shared and self.window_mode != "random":
+            raise ConfigError("algorithm.mix_grpo.shared: false draws a window per sample, which only "
+                              "window_mode=random does; expected shared=true or window_mode=random")
+
+
+@dataclass
+class FlowDPPOConfig:
+    """algorithm.flow_dppo (megatron_omni.algorithms.flow_dppo)."""
+
+    # a trained pair is masked when its Gaussian KL to the old policy's step reaches this and it moves further away
+    kl_threshold: float = 1e-5
+
+    def validate(self) -> None:
+        if not self.kl_threshold > 0:
+            raise ConfigError(f"algorithm.flow_dppo.kl_threshold: expected > 0, got {self.kl_threshold}")
+
+
+@dataclass
 class AlgorithmConfig:
+    """The settings shared by the policy-ratio algorithms at the top level; an algorithm's own settings in its
+    section, ``algorithm.<name>.<key>`` (validated whichever algorithm runs)."""
+
     name: str = "flow_grpo"  # a registered algorithm (megatron_omni.algorithms.registry)
     clip_range: float = 1e-4  # epsilon of the clipped ratio (1e-5 for large DiTs)
     adv_std: Literal["global", "group", "none"] = "global"
@@ -262,6 +296,8 @@ class AlgorithmConfig:
     # still the rollout's there, so loss and gradients are unchanged (an exact saving of one forward and the
     # uncond half's backward per pair).  Later optimizer steps of the same RL step recompute it.
     reuse_rollout_uncond: bool = True
+    mix_grpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
+    flow_dppo: FlowDPPOConfig = field(default_factory=FlowDPPOConfig)
 
     def validate(self) -> None:
         from megatron_omni.algorithms.registry import algorithm_names
@@ -269,6 +305,8 @@ class AlgorithmConfig:
         if self.name not in algorithm_names():
             raise ConfigError(f"algorithm.name: unknown algorithm {self.name!r}; expected one of {algorithm_names()}")
         _require_positive("algorithm", logprob_check_samples=self.logprob_check_samples)
+        for section in (self.mix_grpo, self.flow_dppo):
+            section.validate()
 
 
 @dataclass
