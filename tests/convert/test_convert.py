@@ -146,7 +146,7 @@ def _break(kind, folder):
 @pytest.mark.parametrize("kind,message", [
     ("no config", r"config.json is missing"),
     ("no weights", r"holds neither diffusion_pytorch_model.safetensors nor"),
-    ("other class", r"config.json is for 'FluxTransformer2DModel', which no model family loads; expected one of \['QwenImageTransformer2DModel'\]"),
+    ("other class", r"config.json is for 'FluxTransformer2DModel', which no model family loads; expected one of \['QwenImageTransformer2DModel', 'SD3Transformer2DModel'\]"),
     ("unknown key", r"keys \['num_single_layers'\] unknown"),
     ("wrong shape", r"tensor 'proj_out.weight' .* has shape \(63, 128\); expected \(64, 128\)"),
     ("missing tensor", r"lacks 1 tensor\(s\) of QwenImageTransformer2DModel, e.g. \['txt_norm.weight'\]"),
