@@ -13,7 +13,7 @@ EPS = 0.05
 
 
 def _hand(log_prob, old_log_prob, adv, mean, old_mean, sigma, dt):
-    """ALGORITHMS.md for pairs that share one step: s = mean(σ_t)·mean(sqrt(−Δ)); b = mean (μ_θ − μ_old)²/(2s²);
+    """docs/algorithms.md for pairs that share one step: s = mean(σ_t)·mean(sqrt(−Δ)); b = mean (μ_θ − μ_old)²/(2s²);
     ρ = exp((Δlog π + b)·s); L = mean max(−Aρ, −A·clip(ρ)) / mean(sqrt(−Δ))²  (plain Python floats)."""
     n = len(log_prob)
     root = sum(math.sqrt(-d) for d in dt) / n
