@@ -6,7 +6,8 @@ as vLLM's loaders take them; ``sleep()`` / ``wake()`` around training phases.
 EmbeddedEngine batches compatible requests (same image grid, steps, shift, sampler, noise level,
 guidance, padded text length, context shape...) into one forward.  Batching never changes a sample's random
 numbers: each request owns a ``torch.Generator`` seeded with ``request.seed`` that draws, in this
-order, its SDE-window start (when drawn), its initial noise and the noise of its own trained steps.
+order, its SDE-window start (when drawn), its initial noise (unless ``request.noise_seed`` gives the initial noise
+a generator of its own) and the noise of its own trained steps.
 
 Shape legend: N steps; S_I image tokens; C packed latent channels; T text tokens (L after padding);
 E text-embedding width; B requests in a batch (2B rows in the forward with CFG); S_c context tokens (an edit's
@@ -51,6 +52,9 @@ class Request:
     negative_prompt_emb: torch.Tensor | None = None
     negative_prompt_mask: torch.Tensor | None = None
     seed: int = 0
+    # the seed of the initial noise's own generator (e.g. one per group: DanceGRPO's shared initial noise); None:
+    # drawn by the request's generator (``seed``), which then draws only the window start and the steps' noise
+    noise_seed: int | None = None
     img_fhw: tuple[int, int, int] = (1, 32, 32)  # packed token grid (frames, latent h / 2, latent w / 2)
     num_steps: int = 10
     shift: float = 1.0
@@ -371,7 +375,9 @@ class EmbeddedEngine:
             windows = [_trained_steps(p.request, g) for p, g in zip(items, gens)]
             shape_X = (r0.img_fhw[0] * r0.img_fhw[1] * r0.img_fhw[2], self.channels)
             noise = self.initial_noise or (lambda g, fhw: torch.randn(shape_X, generator=g))
-            x_BX = torch.stack([noise(g, r0.img_fhw).float() for g in gens]).to(self._device)
+            x_BX = torch.stack([noise(g if p.request.noise_seed is None else
+                                      torch.Generator().manual_seed(p.request.noise_seed), r0.img_fhw).float()
+                                for p, g in zip(items, gens)]).to(self._device)
             trained_BN = torch.stack([mask for mask, _ in windows])
             sig_dev = sigmas_N1.to(self._device)
             kept = [[] for _ in items]  # per request: its trained steps' uncond outputs, in step order
