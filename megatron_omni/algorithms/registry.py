@@ -9,6 +9,7 @@ ALGORITHMS = {
     "mix_grpo": "megatron_omni.algorithms.mix_grpo",
     "grpo_guard": "megatron_omni.algorithms.grpo_guard",
     "flow_dppo": "megatron_omni.algorithms.flow_dppo",
+    "dance_grpo": "megatron_omni.algorithms.dance_grpo",
 }
 
 

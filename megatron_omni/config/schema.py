@@ -278,6 +278,20 @@ class FlowDPPOConfig:
 
 
 @dataclass
+class DanceGRPOConfig:
+    """algorithm.dance_grpo (megatron_omni.algorithms.dance_grpo)."""
+
+    shared_noise: bool = True  # the samples of a prompt group start from one initial noise
+    # the share of each sample's stochastic steps it trains on, drawn per sample (at least one step)
+    timestep_fraction: float = 0.6
+
+    def validate(self) -> None:
+        if not 0 < self.timestep_fraction <= 1:
+            raise ConfigError(f"algorithm.dance_grpo.timestep_fraction: expected a share in (0, 1], got "
+                              f"{self.timestep_fraction}")
+
+
+@dataclass
 class AlgorithmConfig:
     """The settings shared by the policy-ratio algorithms at the top level; an algorithm's own settings in its
     section, ``algorithm.<name>.<key>`` (validated whichever algorithm runs)."""
@@ -298,6 +312,7 @@ class AlgorithmConfig:
     reuse_rollout_uncond: bool = True
     mix_grpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
     flow_dppo: FlowDPPOConfig = field(default_factory=FlowDPPOConfig)
+    dance_grpo: DanceGRPOConfig = field(default_factory=DanceGRPOConfig)
 
     def validate(self) -> None:
         from megatron_omni.algorithms.registry import algorithm_names
@@ -305,7 +320,7 @@ class AlgorithmConfig:
         if self.name not in algorithm_names():
             raise ConfigError(f"algorithm.name: unknown algorithm {self.name!r}; expected one of {algorithm_names()}")
         _require_positive("algorithm", logprob_check_samples=self.logprob_check_samples)
-        for section in (self.mix_grpo, self.flow_dppo):
+        for section in (self.mix_grpo, self.flow_dppo, self.dance_grpo):
             section.validate()
 
 

@@ -57,10 +57,21 @@ def test_old_means_stay_the_rollouts_after_an_update(tmp_path, single_rank, task
     assert all(m["optimizer_steps"] == 2 and m["mean_bias"] > 0 for m in done)
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("overrides,steps", [([], 1.0), (["rollout.sampler=dance", "rollout.window_size=null"], 2.0)],
+                         ids=["recipe-sampler", "dance-sde-every-step"])
+def test_dance_grpo(tmp_path, single_rank, task, overrides, steps):
+    """⌊0.6·n⌋ of each sample's n stochastic steps: the recipe's 2-step window gives 1, Dance on all 4 steps 2."""
+    done = _train(tmp_path, single_rank, task, "dance_grpo", *overrides)
+    for m in done:
+        assert m["trained_steps"] == steps and m["optimizer_steps"] == 1
+        assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
 def test_unknown_algorithm_lists_the_known_ones():
     with pytest.raises(ConfigError) as err:
         load_config("digits_flow_grpo", None, ["algorithm.name=ppo"])
     assert "unknown algorithm 'ppo'" in str(err.value)
-    assert {"flow_grpo", "mix_grpo", "grpo_guard", "flow_dppo"} <= set(algorithm_names())
+    assert {"flow_grpo", "mix_grpo", "grpo_guard", "flow_dppo", "dance_grpo"} <= set(algorithm_names())
     for name in algorithm_names():
         assert repr(name) in str(err.value)
