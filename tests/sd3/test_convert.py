@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoints_convert.cli import main as convert_main
-from checkpoints_convert.convert import hf_to_mcore, mcore_to_hf
+from checkpoints_convert.convert import hf_to_mcore
 from checkpoints_convert.hf_folder import ConversionError, HFFolder
 from checkpoints_convert.mcore_checkpoint import load_model, read_meta
 from megatron_omni.parallel.testing import run_distributed

@@ -58,7 +58,7 @@ def test_config_json_round_trip_and_refusals():
     arch = SD3Config.from_diffusers(cfg)
     assert arch == sd35_medium()
     assert {k: v for k, v in arch.to_diffusers().items() if not k.startswith("_")} == PUBLISHED["3.5-medium"]
-    with pytest.raises(ValueError, match="config.json is for 'FluxTransformer2DModel'; expected 'SD3Transformer2DModel'"):
+    with pytest.raises(ValueError, match="is for 'FluxTransformer2DModel'; expected 'SD3Transformer2DModel'"):
         SD3Config.from_diffusers({**cfg, "_class_name": "FluxTransformer2DModel"})
     with pytest.raises(ValueError, match=r"keys \['num_single_layers'\] unknown to SD3Transformer2DModel"):
         SD3Config.from_diffusers({**cfg, "num_single_layers": 2})

@@ -1,7 +1,8 @@
-"""Context and pipeline parallelism of the SD3 model against diffusers, float32, on 2 gloo ranks in ONE launch
-(layouts re-initialised on the same processes): CP=2 Ulysses, CP=2 ring (joint attention with the text whole on
-every rank; the MMDiT-X attn2 over the split image tokens alone) and PP=2 through megatron-core's 1F1B schedule
-(the timestep and pooled-text embedders replicated on both stages), for the 3.5-M and 3.5-L tiny shapes."""
+"""Tensor, context and pipeline parallelism of the SD3 model against diffusers, float32, on 2 gloo ranks in ONE
+launch (layouts re-initialised on the same processes): TP=2, CP=2 Ulysses, CP=2 ring (joint attention with the
+text whole on every rank; the MMDiT-X attn2 over the split image tokens alone) and PP=2 through megatron-core's
+1F1B schedule (the timestep and pooled-text embedders replicated on both stages), for the 3.5-M and 3.5-L tiny
+shapes."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ TOL = 1e-5
 CASES = [(2, 5, (3, 4)), (3, 4, (6, 2)), (1, 7, (5, 4))]  # image tokens even: they split over CP=2
 GRAD_CASE = CASES[0]
 # (tp, cp, ulysses, pp, pipeline layout)
-LAYOUTS = [(1, 2, 2, 1, None), (1, 2, 1, 1, None), (1, 1, 1, 2, (2, 1))]
+LAYOUTS = [(2, 1, 1, 1, None), (1, 2, 2, 1, None), (1, 2, 1, 1, None), (1, 1, 1, 2, (2, 1))]
 
 
 def _weights(arch, batch, n_img):
@@ -59,7 +60,8 @@ def _run(chunks, batch, forward_only):
 
 def _grad_errors(chunks, arch, ref_grads, state):
     """This rank's gradients after what finalize_model_grads would do: DDP's mean over CP (each rank holds its
-    share of the loss, which megatron's schedule multiplies by cp_size), the replicated embedders summed over PP."""
+    share of the loss, which megatron's schedule multiplies by cp_size), q / k norm grads summed over TP (each
+    rank's are partial sums over its heads; config.qk_layernorm), the replicated embedders summed over PP."""
     expected = mcore_state_from_hf(arch, ref_grads.__getitem__, state.tp_rank, state.tp)
     errs = {}
     for chunk in chunks:
@@ -68,6 +70,8 @@ def _grad_errors(chunks, arch, ref_grads, state):
             if state.cp > 1:
                 dist.all_reduce(grad, group=state.cp_group)
                 grad /= state.cp
+            if state.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(grad, group=state.tp_group)
             if state.pp > 1 and getattr(p, "pipeline_parallel", False):
                 dist.all_reduce(grad, group=state.pp_group)
             errs[name] = rel_err(grad, expected[name])
@@ -106,7 +110,7 @@ def _worker():
     return results
 
 
-def test_cp_and_pp_forward_and_gradient_parity_2_ranks():
+def test_tp_cp_pp_forward_and_gradient_parity_2_ranks():
     per_rank = run_distributed(_worker, world_size=2, timeout_s=600)
     for key in per_rank[0]:
         fwd = max(max(r[key][0]) for r in per_rank)
