@@ -44,10 +44,10 @@ def rl_step(run: Run, step: int) -> dict[str, Any]:
         text = run.text_for(trajs)
         check = algo.check(run, trajs, text)  # while the reward threads score the second half
         scores = scores_of(pending)
-    warn_on_logprob_gap(run.cfg, step, check)
     advantages = algo.advantages(run, trajs, scores["reward"])
     with clock("train"):
-        trained = algo.train(run, trajs, advantages, text)
+        trained = algo.train(run, trajs, advantages, text)  # (reports the check when its forward was the check's)
+    warn_on_logprob_gap(run.cfg, step, {**check, **trained})
     with clock("sync"):
         run.updater.push()
     seconds = clock.total()

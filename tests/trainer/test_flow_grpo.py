@@ -71,8 +71,8 @@ CFG = TINY + ["train.steps=2", "rollout.guidance_scale=3.0"]
 
 @pytest.mark.numerics
 def test_reused_uncond_first_optimizer_step_only_same_metrics(tmp_path, single_rank, task, monkeypatch):
-    """True CFG, 16 pairs in 2 optimizer steps per RL step: the first step (and the log-prob check before it)
-    runs on the rollout's uncond outputs, the second recomputes them; the metrics equal those of a run that
+    """True CFG, 16 pairs in 2 optimizer steps per RL step: the first step (whose forward is also the log-prob
+    check: it trains every checked pair) runs on the rollout's uncond outputs, the second recomputes them; the metrics equal those of a run that
     recomputes everywhere to float32 rounding.  Without CFG nothing is kept or reused."""
     from megatron_omni.trainer import build
 
@@ -85,12 +85,13 @@ def test_reused_uncond_first_optimizer_step_only_same_metrics(tmp_path, single_r
     run_microbatches = build.run_microbatches
     monkeypatch.setattr(build, "run_microbatches", spy)
     _, reused = train(load_config("digits_flow_grpo", None, CFG), single_rank, task, tmp_path / "reused")
-    # per RL step: the check (4 samples x 2 steps = 1 micro-batch), then 2 optimizer steps of 1 micro-batch
-    assert seen == [(True, [True]), (False, [True]), (False, [False])] * 2
+    # per RL step: 2 optimizer steps of 1 micro-batch; the check's 4 samples x 2 steps are the first one's pairs,
+    # so it reads that forward's log-probs (no forward-only pass)
+    assert seen == [(False, [True]), (False, [False])] * 2
     seen.clear()
     _, recomputed = train(load_config("digits_flow_grpo", None, CFG + ["algorithm.reuse_rollout_uncond=false"]),
                           single_rank, task, tmp_path / "recomputed")
-    assert seen == [(True, [False]), (False, [False]), (False, [False])] * 2
+    assert seen == [(False, [False]), (False, [False])] * 2
     # RL step 0: rollouts and weights equal, so what the rollout computed (rewards, advantages) is the same
     # computation in both runs: equal.  The trainer's forwards are not: the reused run's cond rows run as a batch of
     # B rows, the recomputing run's as 2B (cond + uncond).  Where the CPU's kernels give a row the same bits at B and
@@ -119,7 +120,7 @@ def test_reused_uncond_first_optimizer_step_only_same_metrics(tmp_path, single_r
     seen.clear()
     _, plain = train(load_config("digits_flow_grpo", None, TINY + ["train.steps=1"]), single_rank, task,
                      tmp_path / "no_cfg")
-    assert seen == [(True, [False]), (False, [False]), (False, [False])]  # the demo's setting: no CFG
+    assert seen == [(False, [False]), (False, [False])]  # the demo's setting: no CFG (the check folded in)
 
 
 def test_microbatches_take_each_pairs_own_kept_uncond_output():
@@ -177,3 +178,34 @@ def test_microbatch_text_is_laid_out_as_the_engine_lays_it_out():
     (mb,) = grpo_microbatches([traj("long")], torch.zeros(1), text, size=1)  # the engine's default: real tokens
     assert mb.txt.shape == (1, 20, 4) and mb.txt_mask is None
     assert mb.uncond_txt.shape == (1, 16, 4) and mb.uncond_mask is None
+
+
+@pytest.mark.numerics
+def test_check_folded_into_the_first_optimizer_step_equals_its_own_pass(tmp_path, single_rank, task, monkeypatch):
+    """When the first optimizer step trains every checked pair, the check reads that forward's log-probs (no
+    forward-only pass of its own) and reports what its own pass reports: the same micro-batches at the same
+    weights (here bit for bit: one kernel sequence; float32 rounding elsewhere); the training is unchanged."""
+    from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
+    from megatron_omni.trainer import build
+
+    calls = []
+
+    def spy(policy, forward_step, mbs, forward_only=False, **kw):
+        calls.append(forward_only)
+        return run_microbatches(policy, forward_step, mbs, forward_only=forward_only, **kw)
+
+    run_microbatches = build.run_microbatches
+    monkeypatch.setattr(build, "run_microbatches", spy)
+    cfg = load_config("digits_flow_grpo", None, TINY + ["train.steps=2"])
+    train(cfg, single_rank, task, tmp_path / "folded")
+    assert calls == [False, False] * 2  # two optimizer steps per RL step, nothing else (the check: the first's)
+    calls.clear()
+    monkeypatch.setattr(FlowGRPO, "folded_check_pairs", lambda self, run, trajs: None)
+    train(cfg, single_rank, task, tmp_path / "own_pass")
+    assert calls == [True, False, False] * 2  # the check's forward-only pass, then the optimizer steps
+    folded, own = _metrics(tmp_path / "folded"), _metrics(tmp_path / "own_pass")
+    for a, b in zip(folded, own):
+        assert a.keys() == b.keys() and {"logprob_abs_diff", "logprob_pearson"} <= a.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+    assert folded[0]["logprob_abs_diff"] <= 1e-6 and folded[0]["logprob_pearson"] > 0.999

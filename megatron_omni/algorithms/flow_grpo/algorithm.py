@@ -13,7 +13,7 @@ from megatron_omni.algorithms.advantages import GroupAdvantages, group_advantage
 from megatron_omni.algorithms.base import Algorithm, RecordSpec
 from megatron_omni.algorithms.flow_grpo.loss import FlowGRPOLossConfig
 from megatron_omni.algorithms.flow_grpo.microbatches import grpo_microbatches, without_reused_uncond
-from megatron_omni.algorithms.flow_grpo.step import flow_grpo_forward_step
+from megatron_omni.algorithms.flow_grpo.step import LOG_PROB, flow_grpo_forward_step
 from megatron_omni.data.prompts import request_seed
 from megatron_omni.data.text_layout import padded_length
 from megatron_omni.rollout.engine import Request, Trajectory
@@ -72,14 +72,24 @@ class FlowGRPO(Algorithm):
     def check(self, run, trajs: list[Trajectory], text) -> dict[str, float]:
         """docs/design.md, decision 6: the trainer re-scores ``algorithm.logprob_check_samples`` trajectories'
         trained steps; mean |Δ log p| and Pearson r.  It runs before any update of this RL step, so the rollout's
-        uncond outputs stand in for the uncond rows."""
+        uncond outputs stand in for the uncond rows.  When the first optimizer step trains every checked pair
+        (``folded_check_pairs``) its forward is that re-scoring, and ``train`` reports the check from it: {} here,
+        no forward of its own."""
+        if self.folded_check_pairs(run, trajs) is not None:
+            return {}
         trajs = trajs[:run.cfg.algorithm.logprob_check_samples]
         mbs = self._microbatches(run, trajs, torch.zeros(len(trajs)), text)
         out, _ = run.run_microbatches(mbs, forward_only=True, collect_non_loss_data=True)
-        trainer_lp = torch.cat([o["log_prob"] for o in out]).cpu()
-        rollout_lp = torch.cat([mb.old_log_prob for mb in mbs]).cpu()
-        pearson = torch.corrcoef(torch.stack([trainer_lp, rollout_lp]))[0, 1].item() if len(trainer_lp) > 1 else 1.0
-        return {"logprob_abs_diff": (trainer_lp - rollout_lp).abs().mean().item(), "logprob_pearson": pearson}
+        return logprob_agreement(torch.cat([o[LOG_PROB] for o in out]), torch.cat([mb.old_log_prob for mb in mbs]))
+
+    def folded_check_pairs(self, run, trajs: list[Trajectory]) -> int | None:
+        """The checked (sample, step) pairs -- those of the first ``logprob_check_samples`` trajectories, the first
+        pairs in training order -- when the first optimizer step trains them all (its forward runs on the
+        rollout's weights); None when it does not (then ``check`` runs a forward-only pass of its own)."""
+        cfg = run.cfg
+        checked = sum(int(t.trained.sum()) for t in trajs[:cfg.algorithm.logprob_check_samples])
+        first_step = max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size) * cfg.train.micro_batch_size
+        return checked if checked <= first_step else None
 
     def advantages(self, run, trajs: list[Trajectory], rewards) -> GroupAdvantages:
         a = run.cfg.algorithm
@@ -98,10 +108,18 @@ class FlowGRPO(Algorithm):
             out, grad_norm = run.run_microbatches(batch)
             metrics += out
             norms.append(float(grad_norm))
+        log_probs = [m.pop(LOG_PROB, None) for m in metrics]  # (on the last pipeline stage)
         summary = {key: torch.stack([torch.as_tensor(m[key]).float() for m in metrics]).mean().item()
                    for key in metrics[0]}
         summary.update(grad_norm=sum(norms) / len(norms), optimizer_steps=len(norms),
                        zero_std_ratio=advantages.zero_std_ratio)
+        checked = self.folded_check_pairs(run, trajs)
+        if checked is not None:  # the first optimizer step's log-probs are the rollout weights' (check)
+            if any(lp is None for lp in log_probs):
+                raise ValueError(f"{self.name}: the training micro-batches' metrics lack {LOG_PROB!r}, which the "
+                                 f"folded log-prob check reads; expected a forward step from flow_grpo_forward_step")
+            summary.update(logprob_agreement(torch.cat(log_probs)[:checked],
+                                             torch.cat([mb.old_log_prob for mb in mbs])[:checked]))
         return summary
 
     def train_microbatches(self, run, trajs: list[Trajectory], advantages: GroupAdvantages, text) -> list:
@@ -119,7 +137,8 @@ class FlowGRPO(Algorithm):
         context) and text length it ran at (``text``: prompt -> (embedding, mask), laid out as the engine lays it
         out; a request's own embeddings where it carries them); no uncond rows where the rollout's uncond output
         was reused; with LoRA, no weight gradients of the frozen base and the adapters' own FLOPs.
-        ``check_samples``: the samples the forward-only check scores (default ``algorithm.logprob_check_samples``)."""
+        ``check_samples``: the samples a forward-only check scores (default: ``algorithm.logprob_check_samples``,
+        none when the check is folded into the first optimizer step)."""
         cfg = run.cfg
         arch, lengths = cfg.model.arch, {}
 
@@ -148,10 +167,18 @@ class FlowGRPO(Algorithm):
         samples = [(row(t, False), row(t, True) if with_cfg else None, int(t.trained.sum())) for t in trajs]
         pairs = sum(n for _, _, n in samples)
         reused = min(pairs, max(cfg.train.global_batch_size, cfg.train.micro_batch_size)) if reuse else 0
-        checked = cfg.algorithm.logprob_check_samples if check_samples is None else check_samples
+        if check_samples is None:  # a check folded into the first optimizer step runs no forward of its own
+            check_samples = 0 if self.folded_check_pairs(run, trajs) is not None else cfg.algorithm.logprob_check_samples
         return varlen_step_flops(per_row, samples, rollout_steps=cfg.rollout.num_steps, frozen_base=cfg.lora.rank > 0,
-                                 reused_uncond_pairs=reused, check_samples=checked,
+                                 reused_uncond_pairs=reused, check_samples=check_samples,
                                  check_reuses_uncond=reuse, kl=cfg.algorithm.kl_beta > 0)
+
+
+def logprob_agreement(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor) -> dict[str, float]:
+    """Mean |Δ log p| and Pearson r of the trainer's log-probs against the rollout's, per (sample, step) pair."""
+    trainer_lp, rollout_lp = trainer_lp.detach().float().cpu(), rollout_lp.detach().float().cpu()
+    pearson = torch.corrcoef(torch.stack([trainer_lp, rollout_lp]))[0, 1].item() if len(trainer_lp) > 1 else 1.0
+    return {"logprob_abs_diff": (trainer_lp - rollout_lp).abs().mean().item(), "logprob_pearson": pearson}
 
 
 ALGORITHM = FlowGRPO()

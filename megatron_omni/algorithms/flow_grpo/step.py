@@ -58,6 +58,10 @@ from megatron_omni.rollout.samplers import cfg_combine, check_kind, log_prob, st
 # e.g. model_specs.common.lora.disable_adapters, or ``lambda m: contextlib.nullcontext(frozen_copy)``
 ReferenceFn = Callable[[torch.nn.Module], ContextManager[torch.nn.Module]]
 
+# the metrics key of a training micro-batch's detached log π_θ [B]: the first optimizer step's are the rollout
+# weights' own, so the log-prob check reads them instead of a forward of its own (FlowGRPO.train)
+LOG_PROB = "log_prob"
+
 
 @dataclass
 class FlowGRPOMicroBatch:
@@ -226,12 +230,24 @@ def loss_func(mb: FlowGRPOMicroBatch, config: FlowGRPOLossConfig, ref_out: torch
     a dict with the detached log π_θ [B] and μ_θ."""
     mean_BIC, log_prob_B, std_B11 = step_log_prob(guided_velocity(output, mb), mb)
     if non_loss_data:
-        return {"log_prob": log_prob_B.detach(), "mean": mean_BIC.detach()}
+        return {LOG_PROB: log_prob_B.detach(), "mean": mean_BIC.detach()}
     ref_mean_BIC = None
     if ref_out is not None:
         ref_mean_BIC, _ = step_mean(guided_velocity(ref_out, mb), mb)
-    return flow_grpo_loss(log_prob_B, mb.old_log_prob, mb.advantage, config, mean_BX=mean_BIC,
-                          ref_mean_BX=ref_mean_BIC, std_B=std_B11, dt_B=mb.t_next - mb.t)
+    loss, metrics = flow_grpo_loss(log_prob_B, mb.old_log_prob, mb.advantage, config, mean_BX=mean_BIC,
+                                   ref_mean_BX=ref_mean_BIC, std_B=std_B11, dt_B=mb.t_next - mb.t)
+    return loss, {**metrics, LOG_PROB: log_prob_B.detach()}
+
+
+def _with_log_prob(loss: Callable, mb: FlowGRPOMicroBatch, config, ref_out, output: torch.Tensor,
+                   non_loss_data: bool = False):
+    """``loss``'s result with ``LOG_PROB`` among its metrics (scored here, detached, where ``loss`` omits it)."""
+    result = loss(mb, config, ref_out, output, non_loss_data)
+    if non_loss_data or LOG_PROB in result[-1]:
+        return result
+    with torch.no_grad():
+        log_prob_B = step_log_prob(guided_velocity(output.detach(), mb), mb)[1]
+    return (*result[:-1], {**result[-1], LOG_PROB: log_prob_B})
 
 
 def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | None = None, *,
@@ -240,7 +256,8 @@ def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | 
     yields ``FlowGRPOMicroBatch``es.  ``reference`` is required when ``config.kl_beta > 0``.  ``joint_uncond``:
     cond and uncond rows in one padded forward on a whole model too, as a pipeline stage runs them (see
     ``model_output``).  ``loss``: the megatron ``loss_func`` with ``loss_func``'s signature (another algorithm of
-    the family swaps in its own loss on the same forward; ``config`` is handed to it)."""
+    the family swaps in its own loss on the same forward; ``config`` is handed to it); its metrics get
+    ``LOG_PROB``, the micro-batch's detached log π_θ, where it does not return them itself."""
     if config.kl_beta > 0 and reference is None:
         raise ValueError(f"kl_beta={config.kl_beta} needs a reference policy: pass reference= (e.g. "
                          f"model_specs.common.lora.disable_adapters, or lambda m: contextlib.nullcontext(ref_model))")
@@ -260,7 +277,7 @@ def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | 
                                  "run the reference's own uncond branch")
             with torch.no_grad(), reference(model) as ref_model:  # its own uncond rows: a reused v_u is the policy's
                 ref_out = model_output(ref_model, mb, dtype, uncond_rows=mb.has_cfg, joint=joint_uncond)
-        return output, partial(loss, mb, config, ref_out)
+        return output, partial(_with_log_prob, loss, mb, config, ref_out)
 
     return forward_step
 
@@ -271,5 +288,5 @@ def _whole(model: torch.nn.Module) -> bool:
     return bool(getattr(bare, "pre_process", True) and getattr(bare, "post_process", True))
 
 
-__all__ = ["FlowGRPOMicroBatch", "ReferenceFn", "flow_grpo_forward_step", "guided_velocity", "loss_func",
+__all__ = ["LOG_PROB", "FlowGRPOMicroBatch", "ReferenceFn", "flow_grpo_forward_step", "guided_velocity", "loss_func",
            "model_inputs", "model_output", "step_log_prob", "step_mean"]
