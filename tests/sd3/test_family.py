@@ -87,3 +87,20 @@ def test_bf16_forward_follows_diffusers_rounding(single_rank):
         err, noise = rel_err(model(img, txt, sigma, (1, 4, 6), None, pooled), theirs), rel_err(theirs, exact)
     print(f"bf16 CPU rel err vs diffusers bf16: {err:.2e} (diffusers bf16 vs float32: {noise:.2e})")
     assert err <= 1.5 * noise
+
+
+@pytest.mark.numerics
+def test_inference_fusions_take_the_mlps(single_rank):
+    """The rollout's switch (fuse_inference) reaches SD3's GELU-tanh MLPs (fc1 + GELU in the GEMM epilogue on CUDA;
+    the same math as torch ops here): every block's image MLP and all but the last block's text MLP."""
+    from model_specs.common.fusion import fuse_inference
+
+    arch = tiny_config()
+    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group)
+    img, txt, pooled, sigma = make_inputs(arch, 2, 5, (3, 4))
+    with torch.no_grad():
+        plain = model(img, txt, sigma, (1, 3, 4), None, pooled)
+        assert fuse_inference(model, strict=True) == 2 * arch.num_layers - 1
+        err = rel_err(model(img, txt, sigma, (1, 3, 4), None, pooled), plain)
+    fuse_inference(model, enable=False)
+    assert err <= 1e-6
