@@ -10,6 +10,7 @@ ALGORITHMS = {
     "grpo_guard": "megatron_omni.algorithms.grpo_guard",
     "flow_dppo": "megatron_omni.algorithms.flow_dppo",
     "dance_grpo": "megatron_omni.algorithms.dance_grpo",
+    "diffusion_dpo": "megatron_omni.algorithms.diffusion_dpo",
 }
 
 

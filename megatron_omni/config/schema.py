@@ -292,6 +292,13 @@ class DanceGRPOConfig:
 
 
 @dataclass
+class DiffusionDPOConfig:
+    """algorithm.diffusion_dpo (megatron_omni.algorithms.diffusion_dpo)."""
+
+    beta: float = 2000.0  # β of the DPO loss: the scale of the flow-matching error differences
+
+
+@dataclass
 class AlgorithmConfig:
     """The settings shared by the policy-ratio algorithms at the top level; an algorithm's own settings in its
     section, ``algorithm.<name>.<key>`` (validated whichever algorithm runs)."""
@@ -313,6 +320,7 @@ class AlgorithmConfig:
     mix_grpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
     flow_dppo: FlowDPPOConfig = field(default_factory=FlowDPPOConfig)
     dance_grpo: DanceGRPOConfig = field(default_factory=DanceGRPOConfig)
+    diffusion_dpo: DiffusionDPOConfig = field(default_factory=DiffusionDPOConfig)
 
     def validate(self) -> None:
         from megatron_omni.algorithms.registry import algorithm_names

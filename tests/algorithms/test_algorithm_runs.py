@@ -68,10 +68,22 @@ def test_dance_grpo(tmp_path, single_rank, task, overrides, steps):
         assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("overrides", [[], ["lora.rank=4"]], ids=["full-frozen-copy-reference", "lora-adapters-off"])
+def test_diffusion_dpo(tmp_path, single_rank, task, overrides):
+    cfg = load_config("digits_flow_grpo", None, ["algorithm.name=diffusion_dpo", *TINY, *overrides])
+    _, done = train(cfg, single_rank, task, tmp_path / "run")
+    assert len(done) == 2
+    first = done[0]  # the policy is still the reference: every pair's margin is 0, the loss log 2
+    assert first["dpo_pairs"] == 2 * (1 - first["zero_std_ratio"]) and first["optimizer_steps"] == 1
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["dpo_margin"] == 0.0
+    assert first["grad_norm"] > 0
+    assert "logprob_abs_diff" not in first  # no log-probs are trained on
+
+
 def test_unknown_algorithm_lists_the_known_ones():
     with pytest.raises(ConfigError) as err:
         load_config("digits_flow_grpo", None, ["algorithm.name=ppo"])
     assert "unknown algorithm 'ppo'" in str(err.value)
-    assert {"flow_grpo", "mix_grpo", "grpo_guard", "flow_dppo", "dance_grpo"} <= set(algorithm_names())
+    assert {"flow_grpo", "mix_grpo", "grpo_guard", "flow_dppo", "dance_grpo", "diffusion_dpo"} <= set(algorithm_names())
     for name in algorithm_names():
         assert repr(name) in str(err.value)

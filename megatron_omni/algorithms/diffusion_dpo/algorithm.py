@@ -1,0 +1,124 @@
+"""Online Diffusion-DPO on the Algorithm interface: FlowGRPO's requests (groups of samples per prompt), the best
+and the worst sample of each group as a preference pair, and the DPO loss against the initial policy (LoRA:
+adapters off; full fine-tune: a frozen copy) inside megatron-core's schedule (docs/algorithms.md, Diffusion-DPO).
+
+Only final samples are used: the rollout's log-probs are not read and there is no log-prob check.  A group whose
+rewards are all equal has no preference and gives no pair (``zero_std_ratio``).  ``train.micro_batch_size``
+samples per forward are micro_batch_size // 2 pairs (at least 1); ``train.global_batch_size // micro_batch_size``
+micro-batches make one optimizer step.  Settings: algorithm.diffusion_dpo.beta.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from megatron_omni.algorithms.base import RecordSpec
+from megatron_omni.algorithms.diffusion_dpo.step import dpo_forward_step, dpo_microbatches
+from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
+from megatron_omni.data.text_layout import padded_length
+from megatron_omni.rollout.engine import Trajectory
+from megatron_omni.trainer.mfu import forward_flops, lora_forward_flops, step_flops
+
+
+@dataclass
+class PreferencePairs:
+    """Indices into the step's trajectories: winners[k] is preferred over losers[k] (one pair per group)."""
+
+    winners: list[int]
+    losers: list[int]
+    zero_std_ratio: float  # fraction of groups with all rewards equal (no pair)
+
+
+def best_worst_pairs(rewards, group_ids: list) -> PreferencePairs:
+    """The highest- and the lowest-reward sample of each group (the first of equals), groups in first-seen order."""
+    groups: dict = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    winners, losers, flat = [], [], 0
+    for members in groups.values():
+        r = [float(rewards[i]) for i in members]
+        if max(r) == min(r):
+            flat += 1
+            continue
+        winners.append(members[r.index(max(r))])
+        losers.append(members[r.index(min(r))])
+    return PreferencePairs(winners, losers, flat / len(groups))
+
+
+class DiffusionDPO(FlowGRPO):
+    name = "diffusion_dpo"
+    reference = "initial"
+
+    def check_config(self, cfg) -> None:
+        if not cfg.algorithm.diffusion_dpo.beta > 0:
+            raise ValueError(f"diffusion_dpo.beta: expected > 0, got {cfg.algorithm.diffusion_dpo.beta}")
+        if cfg.parallel.pp > 1:
+            raise ValueError(f"diffusion_dpo: its inline reference forward needs parallel.pp=1, got "
+                             f"{cfg.parallel.pp}")
+
+    def needs_reference(self, cfg) -> bool:
+        return True
+
+    def reuses_uncond(self, cfg) -> bool:
+        return False  # the loss runs the conditional velocity only
+
+    def record_spec(self, cfg) -> RecordSpec:
+        return RecordSpec(step_latents=False, log_probs=False)
+
+    def forward_step(self, cfg, reference):
+        return dpo_forward_step(cfg.algorithm.diffusion_dpo.beta, reference)
+
+    def check(self, run, trajs: list[Trajectory], text) -> dict[str, float]:
+        return {}  # no log-probs are trained on
+
+    def advantages(self, run, trajs: list[Trajectory], rewards) -> PreferencePairs:
+        return best_worst_pairs(rewards, [t.request.prompt_id for t in trajs])
+
+    def train(self, run, trajs: list[Trajectory], pairs: PreferencePairs, text) -> dict[str, float]:
+        cfg = run.cfg.train
+        summary = {"dpo_pairs": float(len(pairs.winners)), "zero_std_ratio": pairs.zero_std_ratio,
+                   "optimizer_steps": 0}
+        if not pairs.winners:
+            return summary  # no group had a preference: nothing to train
+        mbs = dpo_microbatches(trajs, pairs.winners, pairs.losers, text, max(1, cfg.micro_batch_size // 2),
+                               run.cfg.rollout.text_pad_multiple)
+        per_opt_step = max(1, cfg.global_batch_size // cfg.micro_batch_size)
+        metrics, norms = [], []
+        for k in range(0, len(mbs), per_opt_step):
+            out, grad_norm = run.run_microbatches(mbs[k:k + per_opt_step])
+            metrics += out
+            norms.append(float(grad_norm))
+        summary.update({key: torch.stack([m[key].float() for m in metrics]).mean().item() for key in metrics[0]})
+        summary.update(grad_norm=sum(norms) / len(norms), optimizer_steps=len(norms))
+        return summary
+
+    def flops(self, run, trajs: list[Trajectory], text) -> float:
+        """The rollout's forwards (cond and, with CFG, uncond rows), then per group's pair 2 policy rows forward +
+        backward and 2 reference rows (the base alone with LoRA), each row at its text length."""
+        cfg = run.cfg
+        arch, fhw, multiple = cfg.model.arch, run.task.img_fhw, cfg.rollout.text_pad_multiple
+        image_tokens = fhw[0] * fhw[1] * fhw[2]
+
+        def length(prompt: str) -> int:
+            emb, mask = text[prompt]
+            return padded_length([emb.shape[0] if mask is None else int(mask.sum())], multiple)
+
+        forward, train, groups = Counter(), Counter(), {}
+        for t in trajs:
+            forward[length(t.request.prompt)] += cfg.rollout.num_steps
+            if t.request.cfg:
+                forward[length(t.request.negative_prompt)] += cfg.rollout.num_steps
+            groups.setdefault(t.request.prompt_id, t.request.prompt)
+        for prompt in groups.values():  # one pair per group (the rewards are not at hand: a group without a
+            train[length(prompt)] += 2  # preference, which trains nothing, is counted too)
+        return sum(step_flops(forward_flops(arch, 1, image_tokens, n), forward[n], 0, train[n],
+                              frozen_base=cfg.lora.rank > 0,
+                              adapter_flops_per_row=lora_forward_flops(arch, cfg.lora.rank, cfg.lora_targets, 1,
+                                                                       image_tokens, n),
+                              reference_rows=train[n])
+                   for n in forward.keys() | train.keys())
+
+
+ALGORITHM = DiffusionDPO()
