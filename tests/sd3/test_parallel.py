@@ -2,7 +2,7 @@
 launch (layouts re-initialised on the same processes): TP=2, CP=2 Ulysses, CP=2 ring (joint attention with the
 text whole on every rank; the MMDiT-X attn2 over the split image tokens alone) and PP=2 through megatron-core's
 1F1B schedule (the timestep and pooled-text embedders replicated on both stages), for the 3.5-M and 3.5-L tiny
-shapes."""
+shapes; one forward case with padded text (a mask) at every layout."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.numerics
 TOL = 1e-5
 CASES = [(2, 5, (3, 4)), (3, 4, (6, 2)), (1, 7, (5, 4))]  # image tokens even: they split over CP=2
 GRAD_CASE = CASES[0]
+MASKED_CASE, REAL_TOKENS = (2, 6, (3, 4)), (6, 4)  # row 1's last two text tokens are padding
 # (tp, cp, ulysses, pp, pipeline layout)
 LAYOUTS = [(2, 1, 1, 1, None), (1, 2, 2, 1, None), (1, 2, 1, 1, None), (1, 1, 1, 2, (2, 1))]
 
@@ -33,6 +34,10 @@ def _reference(arch, ref):
     """diffusers' outputs of every case and its HF-named gradients of <out, g> on GRAD_CASE."""
     with torch.no_grad():
         outs = [reference_forward(ref, arch, *make_inputs(arch, *case), case[2]) for case in CASES]
+        # with a padding mask: each row as diffusers on its real tokens alone (test_parity.py says why)
+        img, txt, pooled, sigma = make_inputs(arch, *MASKED_CASE)
+        outs.append(torch.cat([reference_forward(ref, arch, img[b:b + 1], txt[b:b + 1, :n], pooled[b:b + 1],
+                                                 sigma[b:b + 1], MASKED_CASE[2]) for b, n in enumerate(REAL_TOKENS)]))
     batch, text_len, grid = GRAD_CASE
     ref.zero_grad()
     (reference_forward(ref, arch, *make_inputs(arch, *GRAD_CASE), grid) * _weights(arch, batch, grid[0] * grid[1])
@@ -43,12 +48,12 @@ def _reference(arch, ref):
 
 
 def _forward_step(data_iterator, model):
-    img, txt, pooled, sigma, grid, g = next(data_iterator)
+    img, txt, pooled, sigma, grid, mask, g = next(data_iterator)
 
     def loss_func(out, non_loss_data=False):
         return out.detach() if non_loss_data else ((out * g).sum(), {})
 
-    return model(img, txt, sigma, (1, *grid), None, pooled), loss_func
+    return model(img, txt, sigma, (1, *grid), mask, pooled), loss_func
 
 
 def _run(chunks, batch, forward_only):
@@ -87,12 +92,14 @@ def _layout_results(arch, ref, refs, state, layout):
         chunk.load_state_dict({k: v for k, v in full.items() if k in chunk.state_dict()}, strict=True)
     ref_outs, ref_grads = refs
     fwd = []
-    for case, expected in zip(CASES, ref_outs):
-        batch = (*make_inputs(arch, *case), case[2], None)
+    mask = torch.arange(MASKED_CASE[1])[None] < torch.tensor(REAL_TOKENS)[:, None]
+    for case, expected in zip([*CASES, MASKED_CASE], ref_outs):
+        batch = (*make_inputs(arch, *case), case[2], mask if case is MASKED_CASE else None, None)
         out = broadcast_from_last_stage(_run(chunks, batch, forward_only=True), state.pp_group)[0]
         fwd.append(rel_err(out, expected))
     batch, text_len, grid = GRAD_CASE
-    _run(chunks, (*make_inputs(arch, *GRAD_CASE), grid, _weights(arch, batch, grid[0] * grid[1])), forward_only=False)
+    _run(chunks, (*make_inputs(arch, *GRAD_CASE), grid, None, _weights(arch, batch, grid[0] * grid[1])),
+         forward_only=False)
     return fwd, _grad_errors(chunks, arch, ref_grads, state)
 
 
