@@ -125,10 +125,9 @@ class SD3Model(MegatronModule):
         p_BD = self.pooled_linear_2(F.silu(self.pooled_linear_1(pooled_BP.to(dtype))[0]))[0]
         return t_BD + p_BD
 
-    def _embed_image(self, img_BIC: torch.Tensor, img_fhw: tuple[int, int, int]) -> torch.Tensor:
-        """PatchEmbed on this rank's packed tokens: the conv as a linear map over (patch row, column, channel),
-        plus the centred crop of the position table; [I, B, H]."""
-        chunk = self._image_chunk(img_BIC.shape[1])
+    def _embed_image(self, img_BIC: torch.Tensor, img_fhw: tuple[int, int, int], chunk: slice) -> torch.Tensor:
+        """PatchEmbed on this rank's packed tokens (``chunk``): the conv as a linear map over (patch row, column,
+        channel), plus the centred crop of the position table; [I, B, H]."""
         conv = self.patch_embed
         weight_DK = conv.weight.permute(0, 2, 3, 1).reshape(conv.weight.shape[0], -1)
         pos_ID = crop_positions(self.pos_embed, self.arch.pos_embed_max_size, img_fhw[1], img_fhw[2])[chunk]
@@ -138,13 +137,12 @@ class SD3Model(MegatronModule):
                 img_fhw: tuple[int, int, int], text_mask_BT: torch.Tensor | None = None,
                 pooled_BP: torch.Tensor | None = None) -> torch.Tensor:
         _check_inputs(self.arch, img_BIC, txt_BTE, sigma_B, img_fhw, text_mask_BT, pooled_BP)
-        text_len, image_len = txt_BTE.shape[1], img_BIC.shape[1]
-        local_len = self._image_chunk(image_len).stop - self._image_chunk(image_len).start
-        cond = SD3Conditioning(temb_BD=self._temb(sigma_B, pooled_BP),
-                               attn_mask_B11S=joint_attention_mask(text_mask_BT, local_len), text_len=text_len)
+        text_len, chunk = txt_BTE.shape[1], self._image_chunk(img_BIC.shape[1])
+        cond = SD3Conditioning(temb_BD=self._temb(sigma_B, pooled_BP), text_len=text_len,
+                               attn_mask_B11S=joint_attention_mask(text_mask_BT, chunk.stop - chunk.start))
         if self.pre_process:
             txt_TBH = self.context_embedder(txt_BTE).transpose(0, 1)
-            hidden_SBH = torch.cat([txt_TBH, self._embed_image(img_BIC, img_fhw)], dim=0)
+            hidden_SBH = torch.cat([txt_TBH, self._embed_image(img_BIC, img_fhw, chunk)], dim=0)
         else:
             hidden_SBH = self.input_tensor
         hidden_SBH = self.block_runner(list(self.blocks), hidden_SBH, cond, [None] * len(self.layers))
