@@ -7,7 +7,8 @@ The sampler is the run's (rollout.sampler; the published method is the Dance-SDE
 and the trainer scores each with the formula that drew it.  algorithm.dance_grpo:
 - shared_noise: a group's initial noise from one seed (seed, step, draw −3 − group), its steps' noise its own;
 - timestep_fraction τ: each sample trains ⌊τ·n⌋ (at least 1) of its n stochastic steps, drawn from its request
-  seed (draw −4), so a resumed run trains the same steps.  The log-prob check scores all n.
+  seed (draw −4), so a resumed run trains the same steps.  The log-prob check scores all n in a pass of its own,
+  or the trained ones when it is folded into the first optimizer step (FlowGRPO.folded_check_pairs).
 Logs ``trained_steps``, the mean trained steps per sample.
 """
 from __future__ import annotations
