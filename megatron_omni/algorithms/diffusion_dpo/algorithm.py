@@ -15,11 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_omni.algorithms.base import RecordSpec
+from megatron_omni.algorithms.clean_samples import rows_flops, text_length
 from megatron_omni.algorithms.diffusion_dpo.step import dpo_forward_step, dpo_microbatches
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
-from megatron_omni.data.text_layout import padded_length
 from megatron_omni.rollout.engine import Trajectory
-from megatron_omni.trainer.mfu import forward_flops, lora_forward_flops, step_flops
 
 
 @dataclass
@@ -95,30 +94,13 @@ class DiffusionDPO(FlowGRPO):
         return summary
 
     def flops(self, run, trajs: list[Trajectory], text) -> float:
-        """The rollout's forwards (cond and, with CFG, uncond rows), then per group's pair 2 policy rows forward +
-        backward and 2 reference rows (the base alone with LoRA), each row at its text length."""
-        cfg = run.cfg
-        arch, fhw, multiple = cfg.model.arch, run.task.img_fhw, cfg.rollout.text_pad_multiple
-        image_tokens = fhw[0] * fhw[1] * fhw[2]
-
-        def length(prompt: str) -> int:
-            emb, mask = text[prompt]
-            return padded_length([emb.shape[0] if mask is None else int(mask.sum())], multiple)
-
-        forward, train, groups = Counter(), Counter(), {}
-        for t in trajs:
-            forward[length(t.request.prompt)] += cfg.rollout.num_steps
-            if t.request.cfg:
-                forward[length(t.request.negative_prompt)] += cfg.rollout.num_steps
-            groups.setdefault(t.request.prompt_id, t.request.prompt)
-        for prompt in groups.values():  # one pair per group (the rewards are not at hand: a group without a
-            train[length(prompt)] += 2  # preference, which trains nothing, is counted too)
-        return sum(step_flops(forward_flops(arch, 1, image_tokens, n), forward[n], 0, train[n],
-                              frozen_base=cfg.lora.rank > 0,
-                              adapter_flops_per_row=lora_forward_flops(arch, cfg.lora.rank, cfg.lora_targets, 1,
-                                                                       image_tokens, n),
-                              reference_rows=train[n])
-                   for n in forward.keys() | train.keys())
+        """The rollout's forwards, then per group's pair 2 policy rows forward + backward and 2 reference rows, each
+        row at its text length (the rewards are not at hand: a group without a preference, which trains nothing,
+        is counted too)."""
+        groups = {t.request.prompt_id: t.request.prompt for t in trajs}
+        rows = Counter(text_length(text, p, run.cfg.rollout.text_pad_multiple) for p in groups.values())
+        rows = Counter({n: 2 * k for n, k in rows.items()})
+        return rows_flops(run, trajs, text, train_rows=rows, reference_rows=rows)
 
 
 ALGORITHM = DiffusionDPO()

@@ -13,10 +13,10 @@ from typing import Iterator
 
 import torch
 
+from megatron_omni.algorithms.clean_samples import noised, sample_generator
 from megatron_omni.algorithms.diffusion_dpo.loss import diffusion_dpo_loss, flow_matching_error
 from megatron_omni.algorithms.flow_grpo.microbatches import _text_rows
 from megatron_omni.algorithms.flow_grpo.step import ReferenceFn
-from megatron_omni.data.prompts import request_seed
 from megatron_omni.rollout.engine import Trajectory
 
 NOISE_DRAW = -5  # of a winner's request seed: its pair's ε and t
@@ -34,7 +34,7 @@ class DPOMicroBatch:
 
 def pair_noise(winner: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
     """(ε [I, C], t [1] in [0, 1)) of the pair whose winner is ``winner``."""
-    g = torch.Generator().manual_seed(request_seed(winner.request.seed, 0, NOISE_DRAW))
+    g = sample_generator(winner, NOISE_DRAW)
     t = torch.rand(1, generator=g)
     return torch.randn(tuple(winner.final_sample.shape), generator=g), t
 
@@ -54,7 +54,7 @@ def dpo_microbatches(trajs: list[Trajectory], winners: list[int], losers: list[i
         eps, t = eps.to(device), t.view(-1).to(device)
         x0 = torch.stack([r.final_sample.float() for r in rows])
         (txt, mask), = _text_rows(rows, text, False, text_pad_multiple, device)
-        out.append(DPOMicroBatch(x_t=(1 - t.view(-1, 1, 1)) * x0 + t.view(-1, 1, 1) * eps, target=eps - x0, t=t,
+        out.append(DPOMicroBatch(x_t=noised(x0, eps, t), target=eps - x0, t=t,
                                  txt=txt, txt_mask=mask, img_fhw=rows[0].request.img_fhw))
     return out
 

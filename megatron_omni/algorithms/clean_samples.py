@@ -1,0 +1,54 @@
+"""What the algorithms that train on the rollout's final (clean) samples share (Diffusion-DPO, DiffusionNFT): the
+noised sample x_t = (1 − t)·x0 + t·ε with its flow-matching target ε − x0, seeded per sample and draw, and the
+FLOPs of a step counted row by row at each row's text length.
+
+Legend: I image tokens, C packed channels.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from megatron_omni.data.prompts import request_seed
+from megatron_omni.data.text_layout import padded_length
+from megatron_omni.rollout.engine import Trajectory
+from megatron_omni.trainer.mfu import forward_flops, lora_forward_flops, step_flops
+
+
+def sample_generator(traj: Trajectory, draw: int) -> torch.Generator:
+    """A generator of draw ``draw`` of ``traj``'s request seed: a resumed run draws the same numbers."""
+    return torch.Generator().manual_seed(request_seed(traj.request.seed, 0, draw))
+
+
+def noised(x0_BX: torch.Tensor, eps_BX: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 − t)·x0 + t·ε (rectified flow, docs/algorithms.md), t per row."""
+    t_B1 = t_B.view(-1, *([1] * (x0_BX.dim() - 1)))
+    return (1 - t_B1) * x0_BX + t_B1 * eps_BX
+
+
+def rows_flops(run, trajs: list[Trajectory], text, train_rows: Counter, forward_rows: Counter | None = None,
+               reference_rows: Counter | None = None) -> float:
+    """FLOPs of the rollout's forwards (cond and, with CFG, uncond rows per step) plus the given rows (text length ->
+    count): ``train_rows`` forward + backward, ``forward_rows`` forward only, ``reference_rows`` the reference's
+    forwards (the base alone with LoRA)."""
+    cfg = run.cfg
+    arch, fhw = cfg.model.arch, run.task.img_fhw
+    image_tokens = fhw[0] * fhw[1] * fhw[2]
+    forward, reference = Counter(forward_rows or {}), Counter(reference_rows or {})
+    for t in trajs:
+        forward[text_length(text, t.request.prompt, cfg.rollout.text_pad_multiple)] += cfg.rollout.num_steps
+        if t.request.cfg:
+            forward[text_length(text, t.request.negative_prompt, cfg.rollout.text_pad_multiple)] += \
+                cfg.rollout.num_steps
+    return sum(step_flops(forward_flops(arch, 1, image_tokens, n), forward[n], 0, train_rows[n],
+                          frozen_base=cfg.lora.rank > 0, reference_rows=reference[n],
+                          adapter_flops_per_row=lora_forward_flops(arch, cfg.lora.rank, cfg.lora_targets, 1,
+                                                                   image_tokens, n))
+               for n in forward.keys() | train_rows.keys() | reference.keys())
+
+
+def text_length(text, prompt: str, multiple: int) -> int:
+    """The prompt's text length as the engine and the trainer lay it out (real tokens, padded to ``multiple``)."""
+    emb, mask = text[prompt]
+    return padded_length([emb.shape[0] if mask is None else int(mask.sum())], multiple)
