@@ -24,6 +24,7 @@ GRAD_CASE = CASES[0]
 MASKED_CASE, REAL_TOKENS = (2, 6, (3, 4)), (6, 4)  # row 1's last two text tokens are padding
 # (tp, cp, ulysses, pp, pipeline layout)
 LAYOUTS = [(2, 1, 1, 1, None), (1, 2, 2, 1, None), (1, 2, 1, 1, None), (1, 1, 1, 2, (2, 1))]
+MIXED = [(2, 2, 2, 1, None), (2, 2, 1, 1, None), (2, 1, 1, 2, (1, 2))]  # on 4 ranks
 
 
 def _weights(arch, batch, n_img):
@@ -103,13 +104,13 @@ def _layout_results(arch, ref, refs, state, layout):
     return fwd, _grad_errors(chunks, arch, ref_grads, state)
 
 
-def _worker():
+def _worker(layouts, shapes):
     results = {}
-    for shape, overrides in SHAPES.items():
-        arch = tiny_config(**overrides)
+    for shape in shapes:
+        arch = tiny_config(**SHAPES[shape])
         ref = diffusers_reference(arch)
         refs = _reference(arch, ref)
-        for tp, cp, ulysses, pp, layout in LAYOUTS:
+        for tp, cp, ulysses, pp, layout in layouts:
             state = init_parallel(tp=tp, cp=cp, pp=pp, ulysses=ulysses, seed=0, device="cpu")
             results[(shape, tp, cp, ulysses, pp)] = _layout_results(arch, ref, refs, state, layout)
             destroy_parallel(keep_default_group=True)
@@ -117,10 +118,18 @@ def _worker():
     return results
 
 
-def test_tp_cp_pp_forward_and_gradient_parity_2_ranks():
-    per_rank = run_distributed(_worker, world_size=2, timeout_s=600)
+def _check(per_rank):
     for key in per_rank[0]:
         fwd = max(max(r[key][0]) for r in per_rank)
         name, err = max(((n, e) for r in per_rank for n, e in r[key][1].items()), key=lambda x: x[1])
         print(f"shape,tp,cp,ulysses,pp={key}: forward rel err {fwd:.2e}, worst grad {name} {err:.2e}")
         assert fwd <= TOL and err <= TOL, (key, fwd, name, err)
+
+
+def test_tp_cp_pp_forward_and_gradient_parity_2_ranks():
+    _check(run_distributed(_worker, world_size=2, args=(LAYOUTS, tuple(SHAPES)), timeout_s=600))
+
+
+def test_tp2_with_cp2_and_pp2_parity_4_ranks():
+    """TP=2 x CP=2 (Ulysses re-splits a TP rank's heads; ring) and TP=2 x PP=2, the 3.5-M shape."""
+    _check(run_distributed(_worker, world_size=4, args=(MIXED, ("3.5-M",)), timeout_s=600))
