@@ -11,6 +11,7 @@ ALGORITHMS = {
     "flow_dppo": "megatron_omni.algorithms.flow_dppo",
     "dance_grpo": "megatron_omni.algorithms.dance_grpo",
     "diffusion_dpo": "megatron_omni.algorithms.diffusion_dpo",
+    "diffusion_nft": "megatron_omni.algorithms.diffusion_nft",
 }
 
 

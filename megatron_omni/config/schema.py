@@ -299,6 +299,15 @@ class DiffusionDPOConfig:
 
 
 @dataclass
+class DiffusionNFTConfig:
+    """algorithm.diffusion_nft (megatron_omni.algorithms.diffusion_nft)."""
+
+    beta: float = 0.5  # β of the implicit positive / negative velocities, in (0, 1]
+    timesteps_per_sample: int = 4  # training rows per sample, at distinct steps of the rollout's schedule
+    ref_weight: float = 0.0  # λ of the flow-matching term to the initial policy; 0 = none (no reference forward)
+
+
+@dataclass
 class AlgorithmConfig:
     """The settings shared by the policy-ratio algorithms at the top level; an algorithm's own settings in its
     section, ``algorithm.<name>.<key>`` (validated whichever algorithm runs)."""
@@ -321,6 +330,7 @@ class AlgorithmConfig:
     flow_dppo: FlowDPPOConfig = field(default_factory=FlowDPPOConfig)
     dance_grpo: DanceGRPOConfig = field(default_factory=DanceGRPOConfig)
     diffusion_dpo: DiffusionDPOConfig = field(default_factory=DiffusionDPOConfig)
+    diffusion_nft: DiffusionNFTConfig = field(default_factory=DiffusionNFTConfig)
 
     def validate(self) -> None:
         from megatron_omni.algorithms.registry import algorithm_names

@@ -80,10 +80,27 @@ def test_diffusion_dpo(tmp_path, single_rank, task, overrides):
     assert "logprob_abs_diff" not in first  # no log-probs are trained on
 
 
+@pytest.mark.numerics
+def test_diffusion_nft(tmp_path, single_rank, task):
+    """ODE rollouts; 8 samples x 2 timesteps = 16 rows, one optimizer step; LoRA (B = 0 at start) with the reference
+    term: on the first step v_θ = v_old = v_ref, so the term is 0 and x̂0⁺ = x̂0⁻ (equal positive / negative parts
+    when r = ½ on average)."""
+    cfg = load_config("digits_flow_grpo", None, ["algorithm.name=diffusion_nft", *TINY, "lora.rank=4",
+                                                 "algorithm.diffusion_nft.timesteps_per_sample=2",
+                                                 "algorithm.diffusion_nft.ref_weight=0.5"])
+    _, done = train(cfg, single_rank, task, tmp_path / "run")
+    assert len(done) == 2 and all(m["optimizer_steps"] == 1 and m["grad_norm"] > 0 for m in done)
+    first = done[0]
+    assert first["ref_loss"] == 0.0 and first["loss"] == first["policy_loss"]
+    assert "logprob_abs_diff" not in first  # no log-probs recorded
+    assert done[1]["ref_loss"] > 0  # the adapters moved
+
+
 def test_unknown_algorithm_lists_the_known_ones():
     with pytest.raises(ConfigError) as err:
         load_config("digits_flow_grpo", None, ["algorithm.name=ppo"])
     assert "unknown algorithm 'ppo'" in str(err.value)
-    assert {"flow_grpo", "mix_grpo", "grpo_guard", "flow_dppo", "dance_grpo", "diffusion_dpo"} <= set(algorithm_names())
+    assert {"flow_grpo", "mix_grpo", "grpo_guard", "flow_dppo", "dance_grpo", "diffusion_dpo",
+            "diffusion_nft"} <= set(algorithm_names())
     for name in algorithm_names():
         assert repr(name) in str(err.value)

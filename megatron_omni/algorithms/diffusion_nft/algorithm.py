@@ -1,0 +1,88 @@
+"""DiffusionNFT on the Algorithm interface: ODE rollouts (no log-probs; final samples only), FlowGRPO's group
+advantages, and the negative-aware flow-matching loss of ``diffusion_nft.loss`` on each sample's clean x0 noised at
+a few of the schedule's timesteps, against the old policy (docs/algorithms.md, DiffusionNFT).
+
+The old policy is the rollout's (a copy refreshed every RL step): its velocities come from one forward-only pass
+before the step's first update, so they stay the rollout's through every optimizer step of the RL step.  The
+rollout samples with the ODE whatever rollout.sampler / noise_level / window say (those are the SDE algorithms'),
+so the step's reward_mean is already the ODE policy's reward.  Settings: algorithm.diffusion_nft.{beta,
+timesteps_per_sample, ref_weight}; algorithm.adv_std / adv_clip_max (A_max) as FlowGRPO's.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import torch
+
+from megatron_omni.algorithms.base import RecordSpec
+from megatron_omni.algorithms.clean_samples import rows_flops, text_length
+from megatron_omni.algorithms.diffusion_nft.loss import NFTLossConfig
+from megatron_omni.algorithms.diffusion_nft.step import nft_forward_step, nft_microbatches, with_old_velocity
+from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
+from megatron_omni.rollout.engine import Trajectory
+
+
+class DiffusionNFT(FlowGRPO):
+    name = "diffusion_nft"
+
+    def loss_config(self, cfg) -> NFTLossConfig:
+        n = cfg.algorithm.diffusion_nft
+        return NFTLossConfig(beta=n.beta, adv_clip_max=cfg.algorithm.adv_clip_max, ref_weight=n.ref_weight)
+
+    def check_config(self, cfg) -> None:
+        self.loss_config(cfg)
+        n = cfg.algorithm.diffusion_nft
+        if not 1 <= n.timesteps_per_sample <= cfg.rollout.num_steps:
+            raise ValueError(f"diffusion_nft.timesteps_per_sample: {n.timesteps_per_sample} is outside "
+                             f"1..rollout.num_steps={cfg.rollout.num_steps}")
+        if n.ref_weight > 0 and cfg.parallel.pp > 1:
+            raise ValueError(f"diffusion_nft.ref_weight: the reference term's inline forward needs parallel.pp=1, "
+                             f"got {cfg.parallel.pp}")
+
+    def needs_reference(self, cfg) -> bool:
+        return cfg.algorithm.diffusion_nft.ref_weight > 0
+
+    def reuses_uncond(self, cfg) -> bool:
+        return False
+
+    def record_spec(self, cfg) -> RecordSpec:
+        return RecordSpec(step_latents=False, log_probs=False)
+
+    def forward_step(self, cfg, reference):
+        return nft_forward_step(self.loss_config(cfg), reference)
+
+    def requests(self, run, step: int) -> list:
+        return [replace(r, sampler="ode", window_size=None, window_range=None) for r in super().requests(run, step)]
+
+    def check(self, run, trajs: list[Trajectory], text) -> dict[str, float]:
+        return {}  # ODE rollouts: no log-probs to compare
+
+    def train(self, run, trajs: list[Trajectory], advantages, text) -> dict[str, float]:
+        cfg = run.cfg
+        mbs = nft_microbatches(trajs, advantages.advantages, text, cfg.algorithm.diffusion_nft.timesteps_per_sample,
+                               cfg.train.micro_batch_size, cfg.rollout.text_pad_multiple)
+        mbs = with_old_velocity(run, mbs)
+        per_opt_step = max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
+        metrics, norms = [], []
+        for k in range(0, len(mbs), per_opt_step):
+            out, grad_norm = run.run_microbatches(mbs[k:k + per_opt_step])
+            metrics += out
+            norms.append(float(grad_norm))
+        summary = {key: torch.stack([m[key].float() for m in metrics]).mean().item() for key in metrics[0]}
+        summary.update(grad_norm=sum(norms) / len(norms), optimizer_steps=len(norms),
+                       zero_std_ratio=advantages.zero_std_ratio)
+        return summary
+
+    def flops(self, run, trajs: list[Trajectory], text) -> float:
+        """The ODE rollout, the old policy's forward over every training row, the rows' forward + backward and,
+        with ref_weight, the reference's forwards (in both passes)."""
+        k = run.cfg.algorithm.diffusion_nft.timesteps_per_sample
+        rows = Counter()
+        for t in trajs:
+            rows[text_length(text, t.request.prompt, run.cfg.rollout.text_pad_multiple)] += k
+        reference = Counter({n: 2 * c for n, c in rows.items()}) if self.needs_reference(run.cfg) else None
+        return rows_flops(run, trajs, text, train_rows=rows, forward_rows=rows, reference_rows=reference)
+
+
+ALGORITHM = DiffusionNFT()

@@ -1,0 +1,108 @@
+"""DiffusionNFT's micro-batches and megatron-core forward step.
+
+Legend: B rows, I image tokens, C packed channels, T text tokens, E text width.  Each sample of the step gives
+``timesteps`` rows: its clean x0 (the rollout's final sample) noised at t drawn from the rollout's schedule
+(sigmas[0..N−1]) with ε, both from its request seed (draw ``NOISE_DRAW``).  The old policy's velocity on every row
+comes from a forward-only pass before the step's first update (``with_old_velocity``), i.e. the rollout's policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Iterator
+
+import torch
+
+from megatron_omni.algorithms.clean_samples import noised, sample_generator
+from megatron_omni.algorithms.diffusion_nft.loss import NFTLossConfig, diffusion_nft_loss
+from megatron_omni.algorithms.flow_grpo.microbatches import _text_rows
+from megatron_omni.algorithms.flow_grpo.step import ReferenceFn
+from megatron_omni.rollout.engine import Trajectory
+
+NOISE_DRAW = -6  # of a sample's request seed: its training rows' t and ε
+
+
+@dataclass
+class NFTMicroBatch:
+    x_t: torch.Tensor  # [B, I, C] the model input
+    x0: torch.Tensor  # [B, I, C] float32 the clean sample
+    t: torch.Tensor  # [B]
+    advantage: torch.Tensor  # [B] the sample's Â
+    txt: torch.Tensor  # [B, T, E]
+    txt_mask: torch.Tensor | None  # [B, T]
+    img_fhw: tuple[int, int, int]
+    old_velocity: torch.Tensor | None = None  # [B, I, C] float32 v_old; None before with_old_velocity
+
+
+def training_rows(trajs: list[Trajectory], timesteps: int) -> list[tuple[int, float, torch.Tensor]]:
+    """(sample, t, ε [I, C]) per training row: ``timesteps`` distinct steps of the sample's schedule and their noise,
+    drawn from its request seed."""
+    rows = []
+    for i, traj in enumerate(trajs):
+        n = traj.sigmas.numel() - 1
+        if timesteps > n:
+            raise ValueError(f"diffusion_nft.timesteps_per_sample={timesteps} exceeds the rollout's {n} steps")
+        g = sample_generator(traj, NOISE_DRAW)
+        steps = torch.randperm(n, generator=g)[:timesteps].sort().values
+        eps = torch.randn((timesteps, *traj.final_sample.shape), generator=g)
+        rows += [(i, float(traj.sigmas[j]), eps[k]) for k, j in enumerate(steps.tolist())]
+    return rows
+
+
+def nft_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text, timesteps: int, size: int,
+                     text_pad_multiple: int = 1) -> list[NFTMicroBatch]:
+    """Micro-batches of ``size`` training rows in (sample, t) order, text laid out as the rollout engine lays it."""
+    if any(t.request.context_latents is not None for t in trajs):
+        raise ValueError("diffusion_nft: trajectories with context tokens (edit training) are not supported; expected "
+                         "text-to-image requests")
+    rows, out = training_rows(trajs, timesteps), []
+    for k in range(0, len(rows), size):
+        chunk = rows[k:k + size]
+        samples = [trajs[i] for i, _, _ in chunk]
+        device = samples[0].latents.device
+        x0 = torch.stack([s.final_sample.float() for s in samples])
+        eps = torch.stack([e for _, _, e in chunk]).to(device)
+        t = torch.tensor([t for _, t, _ in chunk], device=device)
+        (txt, mask), = _text_rows(samples, text, False, text_pad_multiple, device)
+        out.append(NFTMicroBatch(x_t=noised(x0, eps, t), x0=x0, t=t, txt=txt, txt_mask=mask,
+                                 advantage=advantages_N[[i for i, _, _ in chunk]].to(device),
+                                 img_fhw=samples[0].request.img_fhw))
+    return out
+
+
+def with_old_velocity(run, mbs: list[NFTMicroBatch]) -> list[NFTMicroBatch]:
+    """``mbs`` with v_old from one forward-only pass of the run's forward step (on the last pipeline stage)."""
+    out, _ = run.run_microbatches(mbs, forward_only=True, collect_non_loss_data=True)
+    if not out:
+        return mbs
+    return [replace(mb, old_velocity=o["velocity"]) for mb, o in zip(mbs, out)]
+
+
+def loss_func(mb: NFTMicroBatch, config: NFTLossConfig, ref_out: torch.Tensor | None, output: torch.Tensor,
+              non_loss_data: bool = False):
+    """megatron ``loss_func``: (L, metrics); with ``non_loss_data`` the detached velocity (the old policy's pass)."""
+    if non_loss_data:
+        return {"velocity": output.detach().float()}
+    if mb.old_velocity is None:
+        raise ValueError("the DiffusionNFT loss needs the old policy's velocity: build the micro-batches with "
+                         "with_old_velocity")
+    return diffusion_nft_loss(output, mb.old_velocity, mb.x_t, mb.x0, mb.t, mb.advantage, config, ref_out)
+
+
+def nft_forward_step(config: NFTLossConfig, reference: ReferenceFn | None = None):
+    """``forward_step_func(data_iterator, model)`` over ``NFTMicroBatch``es; ``reference`` when ref_weight > 0."""
+    if config.ref_weight > 0 and reference is None:
+        raise ValueError(f"ref_weight={config.ref_weight} needs a reference policy: pass reference=")
+
+    def forward_step(data_iterator: Iterator[NFTMicroBatch], model: torch.nn.Module):
+        mb = next(data_iterator)
+        dtype = model.config.params_dtype
+        inputs = (mb.x_t.to(dtype), mb.txt.to(dtype), mb.t, mb.img_fhw, mb.txt_mask)
+        output = model(*inputs)
+        ref_out = None
+        if config.ref_weight > 0:
+            with torch.no_grad(), reference(model) as ref_model:
+                ref_out = ref_model(*inputs)
+        return output, partial(loss_func, mb, config, ref_out)
+
+    return forward_step
