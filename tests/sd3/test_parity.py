@@ -70,6 +70,18 @@ def test_forward_and_gradient_parity_tp1(single_rank, shape):
 
 
 @pytest.mark.numerics
+def test_sd3_0_shape_without_qk_norm_parity_tp1(single_rank):
+    """SD3.0 (``qk_norm=None``, no dual attention): the q / k norms are identities and the table has none."""
+    arch = tiny_config(qk_norm=None, dual_attention_layers=())
+    ref = diffusers_reference(arch)
+    model = megatron_from_reference(ref, arch, single_rank.tp_group)
+    assert not any("layernorm" in n for n, _ in model.named_parameters())
+    forward_errs, grad_errs = _parity_cases(model, ref, arch)
+    print(f"3.0 TP=1 forward rel err per case: {forward_errs}; max grad rel err {max(grad_errs.values()):.2e}")
+    assert max(forward_errs) <= TOL and max(grad_errs.values()) <= TOL
+
+
+@pytest.mark.numerics
 def test_padded_text_mask_equals_diffusers_on_the_unpadded_prompt(single_rank):
     """diffusers' SD3 attends to every text token; with a mask, padded keys are left out in every block, so each
     row's image output is diffusers' on that row's real tokens alone (an all-True mask is no mask)."""
