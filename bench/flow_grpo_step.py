@@ -1,7 +1,7 @@
 """One FlowGRPO step of ``megatron-omni train --recipe qwen_image_flow_grpo`` (VeRL-Omni's Qwen-Image OCR recipe)
 at one GPU's share of its shape, timed as the product runs it, beside the diffusers + peft peer loop.  One table.
 
-    python bench/flow_grpo_step.py [--model DIR | --layers 60 --text-layers 28 --build-dir DIR] [--steps 5]
+    python bench/flow_grpo_step.py [--model DIR | --layers 60 --text-layers 28 --build-dir DIR] [--steps 5] [--warmup N]
                                    [--group 16] [--prompts 1] [--micro-batch 4] [--compile default]
                                    [--compile-train default] [--reward NAME] [--no-reuse-uncond]
                                    [--skip-reference] [--profile]
