@@ -66,9 +66,9 @@ class SD3Config:
         if bad := [i for i in self.dual_attention_layers if not 0 <= i < self.num_layers]:
             raise ValueError(f"dual_attention_layers {bad} are not block indices; expected values in "
                              f"[0, {self.num_layers})")
-        if not self.pos_embed_max_size or self.pos_embed_max_size < self.sample_size // self.patch_size:
-            raise ValueError(f"pos_embed_max_size={self.pos_embed_max_size!r}; expected an int >= sample_size / "
-                             f"patch_size = {self.sample_size // self.patch_size} (the cropped SD3 position table)")
+        if not isinstance(self.pos_embed_max_size, int) or self.pos_embed_max_size < 1:
+            raise ValueError(f"pos_embed_max_size={self.pos_embed_max_size!r}; expected a positive int (the side of "
+                             f"SD3's cropped position table; diffusers' uncropped variant without it is not ported)")
         if tp < 1 or self.num_attention_heads % tp:
             raise ValueError(f"tensor-parallel size {tp} does not divide num_attention_heads="
                              f"{self.num_attention_heads}; expected a divisor of it")
