@@ -1,6 +1,6 @@
 """What the algorithms that train on the rollout's final (clean) samples share (Diffusion-DPO, DiffusionNFT): the
 noised sample x_t = (1 − t)·x0 + t·ε with its flow-matching target ε − x0, seeded per sample and draw, and the
-FLOPs of a step counted row by row at each row's text length.
+FLOPs of a step counted row by row at each row's text length, and the optimizer steps over their micro-batches.
 
 Legend: I image tokens, C packed channels.
 """
@@ -46,6 +46,22 @@ def rows_flops(run, trajs: list[Trajectory], text, train_rows: Counter, forward_
                           adapter_flops_per_row=lora_forward_flops(arch, cfg.lora.rank, cfg.lora_targets, 1,
                                                                    image_tokens, n))
                for n in forward.keys() | train_rows.keys() | reference.keys())
+
+
+def train_steps(run, mbs: list) -> dict[str, float]:
+    """Optimizer steps over ``mbs``, ``train.global_batch_size // train.micro_batch_size`` micro-batches each: the
+    loss metrics' means, grad_norm (mean over the steps) and optimizer_steps."""
+    t = run.cfg.train
+    per_opt_step = max(1, t.global_batch_size // t.micro_batch_size)
+    metrics, norms = [], []
+    for k in range(0, len(mbs), per_opt_step):
+        out, grad_norm = run.run_microbatches(mbs[k:k + per_opt_step])
+        metrics += out
+        norms.append(float(grad_norm))
+    summary = {key: torch.stack([m[key].float() for m in metrics]).mean().item() for key in metrics[0]} \
+        if metrics else {}  # metrics exist on the last pipeline stage only
+    summary.update(grad_norm=sum(norms) / len(norms), optimizer_steps=len(norms))
+    return summary
 
 
 def text_length(text, prompt: str, multiple: int) -> int:

@@ -1,7 +1,6 @@
 """DiffusionNFT: the loss and its gradient by hand (a better and a worse sample, A beyond A_max, the weight floor),
 the training rows drawn from the schedule, and the loss inside megatron's forward_backward_func (LoRA, the
 reference term on) equal to plain autograd."""
-import math
 
 import pytest
 import torch

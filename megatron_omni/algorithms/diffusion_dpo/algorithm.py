@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
 
 from megatron_omni.algorithms.base import RecordSpec
-from megatron_omni.algorithms.clean_samples import rows_flops, text_length
+from megatron_omni.algorithms.clean_samples import rows_flops, text_length, train_steps
 from megatron_omni.algorithms.diffusion_dpo.step import dpo_forward_step, dpo_microbatches
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
 from megatron_omni.rollout.engine import Trajectory
@@ -83,15 +82,7 @@ class DiffusionDPO(FlowGRPO):
             return summary  # no group had a preference: nothing to train
         mbs = dpo_microbatches(trajs, pairs.winners, pairs.losers, text, max(1, cfg.micro_batch_size // 2),
                                run.cfg.rollout.text_pad_multiple)
-        per_opt_step = max(1, cfg.global_batch_size // cfg.micro_batch_size)
-        metrics, norms = [], []
-        for k in range(0, len(mbs), per_opt_step):
-            out, grad_norm = run.run_microbatches(mbs[k:k + per_opt_step])
-            metrics += out
-            norms.append(float(grad_norm))
-        summary.update({key: torch.stack([m[key].float() for m in metrics]).mean().item() for key in metrics[0]})
-        summary.update(grad_norm=sum(norms) / len(norms), optimizer_steps=len(norms))
-        return summary
+        return {**summary, **train_steps(run, mbs)}
 
     def flops(self, run, trajs: list[Trajectory], text) -> float:
         """The rollout's forwards, then per group's pair 2 policy rows forward + backward and 2 reference rows, each

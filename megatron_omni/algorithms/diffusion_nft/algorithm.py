@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-import torch
 
 from megatron_omni.algorithms.base import RecordSpec
-from megatron_omni.algorithms.clean_samples import rows_flops, text_length
+from megatron_omni.algorithms.clean_samples import rows_flops, text_length, train_steps
 from megatron_omni.algorithms.diffusion_nft.loss import NFTLossConfig
 from megatron_omni.algorithms.diffusion_nft.step import nft_forward_step, nft_microbatches, with_old_velocity
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
@@ -63,16 +62,7 @@ class DiffusionNFT(FlowGRPO):
         mbs = nft_microbatches(trajs, advantages.advantages, text, cfg.algorithm.diffusion_nft.timesteps_per_sample,
                                cfg.train.micro_batch_size, cfg.rollout.text_pad_multiple)
         mbs = with_old_velocity(run, mbs)
-        per_opt_step = max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size)
-        metrics, norms = [], []
-        for k in range(0, len(mbs), per_opt_step):
-            out, grad_norm = run.run_microbatches(mbs[k:k + per_opt_step])
-            metrics += out
-            norms.append(float(grad_norm))
-        summary = {key: torch.stack([m[key].float() for m in metrics]).mean().item() for key in metrics[0]}
-        summary.update(grad_norm=sum(norms) / len(norms), optimizer_steps=len(norms),
-                       zero_std_ratio=advantages.zero_std_ratio)
-        return summary
+        return {**train_steps(run, mbs), "zero_std_ratio": advantages.zero_std_ratio}
 
     def flops(self, run, trajs: list[Trajectory], text) -> float:
         """The ODE rollout, the old policy's forward over every training row, the rows' forward + backward and,
