@@ -94,6 +94,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config_to_yaml(cfg), end="")
         return 0
+    from megatron_omni.trainer.preemption import EXIT_PREEMPTED, Preempted
     from megatron_omni.trainer.run import run_training
 
     try:
@@ -101,6 +102,9 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as e:  # a config that validates alone but does not fit its task (channels, text width)
         _error("train", str(e))
         return EXIT_USAGE
+    except Preempted as e:  # SIGUSR1 / SIGTERM: checkpointed at a step boundary; the launcher requeues
+        print(f"{PROG} train: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

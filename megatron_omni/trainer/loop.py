@@ -18,6 +18,7 @@ from megatron_omni.parallel.state import ParallelState
 from megatron_omni.trainer.build import Run, build_run, scores_of
 from megatron_omni.trainer.evaluate import evaluate
 from megatron_omni.trainer.mfu import device_peak_flops
+from megatron_omni.trainer.preemption import Preempted, StopSignals
 
 
 class StepClock:
@@ -64,9 +65,10 @@ def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path,
           stop_after: int | None = None) -> tuple[Run, list[dict]]:
     """Run (or resume) the loop; returns the run (its policy is the trained one) and the metrics of the steps run
     here.  The last step is always checkpointed.  ``stop_after`` ends this call after that many steps without a
-    final checkpoint, as a killed process would (used to test resume)."""
+    final checkpoint, as a killed process would (used to test resume).  SIGUSR1 / SIGTERM end it after the step in
+    flight, checkpointed, with ``Preempted`` (megatron_omni.trainer.preemption)."""
     run, start = build_run(cfg, state, task, Path(run_dir), resume)
-    done, last = [], cfg.train.steps - 1
+    done, last, signals = [], cfg.train.steps - 1, StopSignals(state.torch_device)
     try:
         for step in range(start, cfg.train.steps):
             result = rl_step(run, step)
@@ -78,9 +80,13 @@ def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path,
                 run.logger.log_images(step, run.preview(result["images"][:64]), labels=result["labels"][:64])
             if stop_after is not None and len(done) >= stop_after:
                 break
-            if step == last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
+            stop = signals.requested() and step != last
+            if stop or step == last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
                 run.checkpointer.save(step, run.policy.model, run.policy.optimizer, {})
+            if stop:
+                raise Preempted(step, signals.signame)
     finally:
+        signals.close()
         run.close()
     return run, done
 
