@@ -69,6 +69,7 @@ def test_dance_grpo(tmp_path, single_rank, task, overrides, steps):
         assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("overrides", [[], ["lora.rank=4"]], ids=["full-frozen-copy-reference", "lora-adapters-off"])
 def test_diffusion_dpo(tmp_path, single_rank, task, overrides):
     cfg = load_config("digits_flow_grpo", None, ["algorithm.name=diffusion_dpo", *TINY, *overrides])
