@@ -22,13 +22,18 @@ from megatron_omni.logging.images import curve_plot, image_grid
 class RunLogger:
     def __init__(self, run_dir: Path, total_steps: int, wandb_mode: str = "offline", project: str = "megatron-omni",
                  config: dict | None = None, start_step: int = 0, curve_keys: tuple[str, ...] = ("reward_mean",),
-                 log_every: int = 1):
+                 log_every: int = 1, enabled: bool = True):
+        """``enabled=False``: a rank that does not write (under torch.distributed one rank logs the step's metrics,
+        which every replica holds alike): nothing is written, printed or sent."""
         self.run_dir, self.total_steps, self.curve_keys = Path(run_dir), total_steps, curve_keys
-        self.log_every = log_every
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_every, self.enabled = log_every, enabled
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.history = self._truncate_from(start_step)
         self._t0, self._steps_done = time.perf_counter(), 0
+        self.history, self._wandb = [], None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.history = self._truncate_from(start_step)
         self._wandb = self._start_wandb(wandb_mode, project, config)
 
     def _truncate_from(self, start_step: int) -> list[dict]:
@@ -51,6 +56,8 @@ class RunLogger:
                           resume="allow", id=self.run_dir.resolve().name.replace("/", "-"))
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -71,6 +78,8 @@ class RunLogger:
         """A grid of ``images`` ([N, H, W] gray or [N, C, H, W], in [0, 1]), each tile labelled with its
         ``labels[i]`` (prompt and reward) when given."""
         path = self.run_dir / f"{name}_step{step:05d}.png"
+        if not self.enabled:
+            return path
         path = image_grid(images, path) if labels is None else labelled_grid(images, labels, path)
         if self._wandb is not None:
             import wandb
@@ -79,6 +88,8 @@ class RunLogger:
         return path
 
     def finish(self) -> Path:
+        if not self.enabled:
+            return self.run_dir / "reward_curve.png"
         steps = [m["step"] for m in self.history]
         series = {k: [m[k] for m in self.history if k in m] for k in self.curve_keys}
         path = curve_plot(steps, series, self.run_dir / "reward_curve.png", "reward per RL step")

@@ -217,6 +217,21 @@ def _describe(spec: DeviceSpec, local_rank: int, tp: int, cp: int, pp: int, vpp:
     )
 
 
+_SINGLE_RANK_GROUPS: dict[int, dist.ProcessGroup] = {}  # id(tp_group) -> this rank's group of one
+
+
+def single_rank_group(state: ParallelState) -> dist.ProcessGroup:
+    """A process group of this rank alone, for a model that runs whole on every rank (the in-process rollout
+    engine beside a TP-sharded policy).  At tp == 1 the TP group is one; else a collective: every rank calls it
+    (``new_subgroups``), once per layout."""
+    if state.tp == 1:
+        return state.tp_group
+    key = id(state.tp_group)
+    if key not in _SINGLE_RANK_GROUPS:
+        _SINGLE_RANK_GROUPS[key], _ = dist.new_subgroups(group_size=1)
+    return _SINGLE_RANK_GROUPS[key]
+
+
 def destroy_parallel(keep_default_group: bool = False) -> None:
     """Tear down megatron's groups, and the default process group if ``init_parallel`` created it.
 
@@ -229,6 +244,7 @@ def destroy_parallel(keep_default_group: bool = False) -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    _SINGLE_RANK_GROUPS.clear()
     if keep_default_group:
         return
     if _CREATED_DEFAULT_GROUP and dist.is_initialized():

@@ -24,7 +24,7 @@ from megatron_omni.config import config_to_yaml
 from megatron_omni.config.schema import RunConfig
 from megatron_omni.data.tasks import Task
 from megatron_omni.logging import RunLogger
-from megatron_omni.parallel.state import ParallelState
+from megatron_omni.parallel.state import ParallelState, single_rank_group
 from megatron_omni.rewards import AsyncRewardPool, build_reward
 from megatron_omni.rollout.engine import EmbeddedEngine, Trajectory
 from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines
@@ -131,8 +131,8 @@ def _engine_model(cfg: RunConfig, state: ParallelState, policy: Policy | None) -
     family, arch, dtype = cfg.model.family_impl, cfg.model.arch, cfg.model.torch_dtype
     config = family.transformer_config(arch, 1, params_dtype=dtype, perform_initialization=False)
     share = policy is not None and shares_base(cfg, state)
-    with torch.device("meta") if share else contextlib.nullcontext():
-        model = family.build(arch, config, state.tp_group, cfg.model.backend)
+    with torch.device("meta") if share else contextlib.nullcontext():  # whole on every rank: a group of one
+        model = family.build(arch, config, single_rank_group(state), cfg.model.backend)
     if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync
         _apply_lora(model, cfg)
     if not share:
@@ -242,7 +242,7 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
         fns["judge"] = build_reward(cfg.reward.judge)
     logger = RunLogger(run_dir, cfg.train.steps, cfg.logging.wandb_mode, cfg.logging.project,
                        config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns),
-                       log_every=cfg.logging.log_every)
+                       log_every=cfg.logging.log_every, enabled=state.rank == 0)  # the metrics are alike everywhere
     run = Run(cfg, task, algorithm, policy, engine, _updater(cfg, policy, engine),
               AsyncRewardPool(fns, num_workers=cfg.reward.workers), checkpointer, logger, forward_step)
     run.updater.push()

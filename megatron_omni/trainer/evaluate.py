@@ -7,6 +7,7 @@ import torch
 
 from megatron_omni.data.prompts import request_seed
 from megatron_omni.rollout.engine import Request
+from megatron_omni.trainer.data_parallel import gather_scores, shard_requests
 
 EVAL_SEED = 7_777  # the eval samples' seeds: request_seed(EVAL_SEED, 0, i), whatever the run's seed and step
 
@@ -27,15 +28,19 @@ def eval_requests(run) -> list[Request]:
 
 
 def evaluate(run, step: int) -> dict[str, float]:
-    """The held-out metrics of the policy the engine holds now (after this step's weight update)."""
-    requests = eval_requests(run)
-    if not requests:
-        return {}
-    trajs = run.engine.generate(requests)
-    images = run.task.decode(torch.stack([t.final_sample for t in trajs]).cpu())
-    prompts = [q.prompt for q in requests]
-    (scores,) = [p.result() for p in [run.rewards.submit(images, prompts)]]
-    labels = [p + "".join(f"\n{name} {float(values[i]):.2f}" for name, values in scores.items())
-              for i, p in enumerate(prompts)]
-    run.logger.log_images(step, run.preview(images), name="eval", labels=labels)
-    return {f"eval_{name}_mean": float(values.mean()) for name, values in scores.items()}
+    """The held-out metrics of the policy the engine holds now (after this step's weight update); under data
+    parallelism each replica samples its share of the prompts, the means are over all of them and the grid
+    shows the first replica's."""
+    state = run.policy.state
+    requests = shard_requests(eval_requests(run), state.dp, state.dp_rank, even=False)
+    scores = {}
+    if requests:
+        trajs = run.engine.generate(requests)
+        images = run.task.decode(torch.stack([t.final_sample for t in trajs]).cpu())
+        prompts = [q.prompt for q in requests]
+        (scores,) = [p.result() for p in [run.rewards.submit(images, prompts)]]
+        labels = [p + "".join(f"\n{name} {float(values[i]):.2f}" for name, values in scores.items())
+                  for i, p in enumerate(prompts)]
+        run.logger.log_images(step, run.preview(images), name="eval", labels=labels)
+    scores = gather_scores(scores, state) if state.dp > 1 else scores
+    return {f"eval_{name}_mean": float(values.mean()) for name, values in scores.items() if len(values)}

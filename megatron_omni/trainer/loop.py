@@ -16,6 +16,7 @@ from megatron_omni.config.schema import RunConfig
 from megatron_omni.data.tasks import Task
 from megatron_omni.parallel.state import ParallelState
 from megatron_omni.trainer.build import Run, build_run, scores_of
+from megatron_omni.trainer.data_parallel import gather_scores, mean_over_dp, shard_bounds, step_advantages
 from megatron_omni.trainer.evaluate import evaluate
 from megatron_omni.trainer.mfu import device_peak_flops
 from megatron_omni.trainer.preemption import Preempted, StopSignals
@@ -38,25 +39,34 @@ class StepClock:
 
 
 def rl_step(run: Run, step: int) -> dict[str, Any]:
-    algo, clock = run.algorithm, StepClock()
+    """One RL step; under data parallelism on this replica's share of the step's prompt groups
+    (megatron_omni.trainer.data_parallel), its metrics those of the whole step (the same on every replica)."""
+    algo, clock, state = run.algorithm, StepClock(), run.policy.state
+    requests = algo.requests(run, step)
+    bounds = shard_bounds(requests, state.dp, state.dp_rank)
     with clock("rollout"):
-        trajs, images, pending = run.rollout(algo.requests(run, step))
+        trajs, images, pending = run.rollout(requests[bounds[0]:bounds[1]])
     with clock("reward"):
         text = run.text_for(trajs)
         check = algo.check(run, trajs, text)  # while the reward threads score the second half
         scores = scores_of(pending)
-    advantages = algo.advantages(run, trajs, scores["reward"])
+        step_scores = gather_scores(scores, state)  # every replica's, in request order
+    if state.dp == 1:
+        advantages = algo.advantages(run, trajs, scores["reward"])
+    else:
+        advantages = step_advantages(algo, run, requests, bounds, step_scores["reward"])
     with clock("train"):
         trained = algo.train(run, trajs, advantages, text)  # (reports the check when its forward was the check's)
+    trained, check = mean_over_dp(trained, state), mean_over_dp(check, state)
     warn_on_logprob_gap(run.cfg, step, {**check, **trained})
     with clock("sync"):
         run.updater.push()
     seconds = clock.total()
-    metrics = {f"{k}_mean": float(v.mean()) for k, v in scores.items()}
-    metrics.update({f"{k}_std": float(v.std()) for k, v in scores.items()})
-    metrics.update(utilisation(run, algo.flops(run, trajs, text), seconds))
+    metrics = {f"{k}_mean": float(v.mean()) for k, v in step_scores.items()}
+    metrics.update({f"{k}_std": float(v.std()) for k, v in step_scores.items()})
+    metrics.update(utilisation(run, algo.flops(run, trajs, text), seconds))  # per device
     metrics.update(lr=run.cfg.train.lr, **trained, **check, **clock.seconds, step_seconds=seconds,
-                   images_per_second=len(trajs) / seconds, sync_restarts=run.updater.restarts)
+                   images_per_second=len(trajs) * state.dp / seconds, sync_restarts=run.updater.restarts)
     labels = [f"{t.request.prompt}\nreward {float(r):.2f}" for t, r in zip(trajs, scores["reward"])]
     return {"metrics": metrics, "images": images, "labels": labels}
 

@@ -26,6 +26,19 @@ def check_loop_layout(cfg: RunConfig) -> None:
                          f"(its rollout engine and weight export gather TP shards only); expected pp=1 and cp=1")
 
 
+def check_data_parallel(cfg: RunConfig, dp: int) -> None:
+    """ValueError before anything is built when the step's prompt groups or its optimizer steps' pairs do not
+    split over ``dp`` data-parallel replicas (megatron_omni.trainer.data_parallel)."""
+    r, t = cfg.rollout, cfg.train
+    if r.prompts_per_step % dp:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} prompt groups per RL step over {dp} "
+                         f"data-parallel replicas; expected a multiple of {dp}")
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ValueError(f"train.global_batch_size={t.global_batch_size} pairs per optimizer step over {dp} "
+                         f"data-parallel replicas of train.micro_batch_size={t.micro_batch_size}; expected a "
+                         f"multiple of {t.micro_batch_size * dp}")
+
+
 def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
     from megatron_omni.trainer.loop import train
 
@@ -33,6 +46,7 @@ def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
     state = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, seed=cfg.train.seed,
                           device=cfg.parallel.device)
     try:
+        check_data_parallel(cfg, state.dp)
         task = task_for(cfg, state.torch_device)
         check_task_fits(cfg, task)
         _, done = train(cfg, state, task, cfg.train.output_dir, resume=resume)

@@ -179,11 +179,13 @@ def test_sample_draws_like_the_rl_loop():
     from megatron_omni.algorithms.flow_grpo import ALGORITHM
     from megatron_omni.config.recipes import get_recipe
     from megatron_omni.data.digits import GRID_FHW, prompt_for
+    from megatron_omni.data.tasks import Task
 
     cfg = get_recipe("digits_flow_grpo")
     ds = PromptDataset.from_prompts([prompt_for(d) for d in range(10)])
-    run = SimpleNamespace(cfg=cfg, task=SimpleNamespace(prompts=ds.prompts, img_fhw=GRID_FHW, sigmas=None),
-                          family=cfg.model.family_impl)
+    task = Task(name="digits", prompts=ds.prompts, img_fhw=GRID_FHW, encode=None, decode=None, text_dim=0,
+                latent_channels=0)
+    run = SimpleNamespace(cfg=cfg, task=task, family=cfg.model.family_impl)
     n, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     for step in (0, 1, 17):
         g = torch.Generator().manual_seed((cfg.train.seed * 1_000_003 + step * 10_007 - 1) % 2**63)

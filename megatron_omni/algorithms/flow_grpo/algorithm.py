@@ -77,7 +77,7 @@ class FlowGRPO(Algorithm):
         no forward of its own."""
         if self.folded_check_pairs(run, trajs) is not None:
             return {}
-        trajs = trajs[:run.cfg.algorithm.logprob_check_samples]
+        trajs = trajs[:self.check_samples(run)]
         mbs = self._microbatches(run, trajs, torch.zeros(len(trajs)), text)
         out, _ = run.run_microbatches(mbs, forward_only=True, collect_non_loss_data=True)
         return logprob_agreement(torch.cat([o[LOG_PROB] for o in out]), torch.cat([mb.old_log_prob for mb in mbs]))
@@ -86,10 +86,23 @@ class FlowGRPO(Algorithm):
         """The checked (sample, step) pairs -- those of the first ``logprob_check_samples`` trajectories, the first
         pairs in training order -- when the first optimizer step trains them all (its forward runs on the
         rollout's weights); None when it does not (then ``check`` runs a forward-only pass of its own)."""
-        cfg = run.cfg
-        checked = sum(int(t.trained.sum()) for t in trajs[:cfg.algorithm.logprob_check_samples])
-        first_step = max(1, cfg.train.global_batch_size // cfg.train.micro_batch_size) * cfg.train.micro_batch_size
+        checked = sum(int(t.trained.sum()) for t in trajs[:self.check_samples(run)])
+        first_step = self.micro_batches_per_step(run) * run.cfg.train.micro_batch_size
         return checked if checked <= first_step else None
+
+    def check_samples(self, run) -> int:
+        """Trajectories this data-parallel replica checks: its share of ``algorithm.logprob_check_samples``."""
+        return max(1, run.cfg.algorithm.logprob_check_samples // run.policy.state.dp)
+
+    def micro_batches_per_step(self, run) -> int:
+        """Micro-batches of one optimizer step on one data-parallel replica (``train.global_batch_size`` pairs
+        over all replicas)."""
+        t, dp = run.cfg.train, run.policy.state.dp
+        if dp > 1 and t.global_batch_size % (t.micro_batch_size * dp):
+            raise ValueError(f"train.global_batch_size={t.global_batch_size} pairs per optimizer step over {dp} "
+                             f"data-parallel replicas of train.micro_batch_size={t.micro_batch_size}; expected a "
+                             f"multiple of {t.micro_batch_size * dp}")
+        return max(1, t.global_batch_size // (t.micro_batch_size * dp))
 
     def advantages(self, run, trajs: list[Trajectory], rewards) -> GroupAdvantages:
         a = run.cfg.algorithm
@@ -102,7 +115,7 @@ class FlowGRPO(Algorithm):
         first runs with the rollout's weights: later ones recompute the uncond branch (a reused v_u there would be
         the old policy's and change the gradient)."""
         mbs = self.train_microbatches(run, trajs, advantages, text)
-        per_opt_step = max(1, run.cfg.train.global_batch_size // run.cfg.train.micro_batch_size)
+        per_opt_step = self.micro_batches_per_step(run)
         metrics, norms = [], []
         for batch in self.optimizer_steps(mbs, per_opt_step):
             out, grad_norm = run.run_microbatches(batch)
@@ -166,9 +179,9 @@ class FlowGRPO(Algorithm):
         with_cfg, reuse = cfg.rollout.guidance_scale > 1, self.reuses_uncond(cfg)
         samples = [(row(t, False), row(t, True) if with_cfg else None, int(t.trained.sum())) for t in trajs]
         pairs = sum(n for _, _, n in samples)
-        reused = min(pairs, max(cfg.train.global_batch_size, cfg.train.micro_batch_size)) if reuse else 0
+        reused = min(pairs, self.micro_batches_per_step(run) * cfg.train.micro_batch_size) if reuse else 0
         if check_samples is None:  # a check folded into the first optimizer step runs no forward of its own
-            check_samples = 0 if self.folded_check_pairs(run, trajs) is not None else cfg.algorithm.logprob_check_samples
+            check_samples = 0 if self.folded_check_pairs(run, trajs) is not None else self.check_samples(run)
         return varlen_step_flops(per_row, samples, rollout_steps=cfg.rollout.num_steps, frozen_base=cfg.lora.rank > 0,
                                  reused_uncond_pairs=reused, check_samples=check_samples,
                                  check_reuses_uncond=reuse, kl=cfg.algorithm.kl_beta > 0)

@@ -1,0 +1,97 @@
+"""The RL loop (``megatron_omni.trainer.loop.train``) on 2 gloo ranks against the single-process run of the same
+config: DP=2 (each replica samples, scores and trains its own half of the step's prompt groups; the step's
+metrics are over both) and TP=2 (one replica; every TP rank's in-process engine holds the whole model).
+
+One optimizer step per RL step (global_batch_size = the step's 16 pairs): then its gradient is the same mean
+over the same pairs in every layout.  (With several, an optimizer step takes global_batch_size / DP pairs from
+each replica's own groups, so its pairs are not the single-process run's: like megatron's data-parallel sampler,
+not like one process.)  Tolerances: DP=2 splits the optimizer step's micro-batches over the replicas and DDP sums their gradients in
+another order (float32, ~1e-7 relative per step, amplified by Adam's first steps); TP=2 splits the GEMMs' sums.
+The rollout of the first step is the same computation in every layout (equal weights), so its rewards agree
+to rounding; the second starts from weights that differ by that rounding."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_omni.parallel.testing import run_distributed
+
+pytestmark = pytest.mark.numerics
+
+TINY = ["train.steps=2", "train.save_every=0", "train.micro_batch_size=4", "train.global_batch_size=16",
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.num_steps=4", "rollout.window_size=2",
+        "algorithm.logprob_check_samples=4", "logging.wandb_mode=disabled", "model.arch.num_layers=2",
+        "reward.workers=1"]
+TIMING = ("rollout_seconds", "reward_seconds", "train_seconds", "sync_seconds", "step_seconds", "images_per_second",
+          "tflops_per_second", "mfu")
+REL, ABS = 1e-4, 1e-6
+
+
+def _train(state, overrides, out):
+    import torch
+
+    from megatron_omni.config import load_config
+    from megatron_omni.data.tasks import build_task
+    from megatron_omni.trainer.loop import train
+
+    torch.set_num_threads(1)
+    _, done = train(load_config("digits_flow_grpo", None, overrides), state, build_task("digits"), out)
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in done]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+
+    state = init_parallel(tp=1, seed=0, device="cpu")
+    try:
+        return _train(state, TINY, tmp_path_factory.mktemp("single") / "run")
+    finally:
+        destroy_parallel()
+
+
+def _close(got: list[dict], want: list[dict]) -> None:
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [0, 1]
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 1}, {"tp": 2}], ids=["dp2", "tp2"])
+def test_loop_at_two_ranks_equals_one_process(single, tmp_path, layout):
+    out = tmp_path / "run"
+    overrides = TINY + [f"parallel.tp={layout['tp']}"]
+    ranks = run_distributed(_train, world_size=2, parallel=layout, args=(overrides, out), timeout_s=600)
+    assert ranks[0] == ranks[1]  # every rank reports the step's metrics alike
+    _close(ranks[0], single)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1]  # one writer
+    assert single[0]["optimizer_steps"] == 1 and single[0]["reward_std"] > 0 and single[1]["grad_norm"] > 0
+
+
+def test_dp_shards_whole_groups_without_repeats():
+    from megatron_omni.rollout.engine import Request
+    from megatron_omni.trainer.data_parallel import shard_requests
+
+    requests = [Request(prompt=f"p{k}", prompt_id=k, seed=10 * k + i) for k in range(6) for i in range(3)]
+    shards = [shard_requests(requests, 3, r) for r in range(3)]
+    assert [[q.prompt_id for q in s] for s in shards] == [[0] * 3 + [1] * 3, [2] * 3 + [3] * 3, [4] * 3 + [5] * 3]
+    assert sorted(q.seed for s in shards for q in s) == sorted(q.seed for q in requests)
+    with pytest.raises(ValueError, match="6 prompt groups in an RL step for 4 data-parallel replicas"):
+        shard_requests(requests, 4, 0)
+    uneven = [shard_requests(requests, 4, r, even=False) for r in range(4)]
+    assert [len(s) // 3 for s in uneven] == [2, 2, 1, 1]
+
+
+def test_layout_that_does_not_split_is_one_clear_error():
+    from megatron_omni.config import load_config
+    from megatron_omni.trainer.run import check_data_parallel
+
+    cfg = load_config("digits_flow_grpo", None, TINY)
+    check_data_parallel(cfg, 2)
+    with pytest.raises(ValueError, match="rollout.prompts_per_step=2 prompt groups per RL step over 4"):
+        check_data_parallel(cfg, 4)
+    with pytest.raises(ValueError, match="train.global_batch_size=16 pairs per optimizer step over 8"):
+        check_data_parallel(load_config("digits_flow_grpo", None, TINY + ["rollout.prompts_per_step=8"]), 8)
