@@ -32,8 +32,11 @@ from megatron_omni.sync.updaters import EngineProcessUpdater, InProcessUpdater
 from megatron_omni.trainer.checkpoint import Checkpointer
 from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import apply_lora, base_parameters, disable_adapters, lora_modules, target_name
+from model_specs.family import split_encoding
 
-TextTable = dict[str, tuple[torch.Tensor, torch.Tensor]]  # prompt -> (emb [T, E], mask [T])
+# prompt -> (emb [T, E], mask [T]), or (emb, mask, extras {name: one prompt's tensor}) where its family's text
+# encoder gives further denoiser inputs (model_specs.family: SD3's pooled text)
+TextTable = dict[str, tuple]
 
 
 @dataclass
@@ -89,8 +92,9 @@ class Run:
                     if t.request.cfg and t.request.negative_prompt_emb is None}
         missing = sorted(prompts - self.text_cache.keys())
         if missing:
-            emb, mask = self.task.encode(missing)
-            self.text_cache.update({p: (emb[i], mask[i]) for i, p in enumerate(missing)})
+            emb, mask, extras = split_encoding(self.task.encode(missing))
+            self.text_cache.update({p: (emb[i], mask[i], {k: v[i] for k, v in extras.items()}) if extras
+                                    else (emb[i], mask[i]) for i, p in enumerate(missing)})
         return {p: self.text_cache[p] for p in prompts}
 
     def close(self) -> None:
@@ -126,8 +130,8 @@ def shares_base(cfg: RunConfig, state: ParallelState) -> bool:
 
 def _engine_model(cfg: RunConfig, state: ParallelState, policy: Policy | None) -> torch.nn.Module:
     """The in-process engine's denoiser (TP=1; adapters when syncs send them).  Sharing the policy's base, it is
-    built on the meta device and every base parameter is replaced by the policy's own; its adapters get storage
-    of their own, filled by the first sync."""
+    built on the meta device and every base parameter and buffer is replaced by the policy's own; its adapters get
+    storage of their own, filled by the first sync."""
     family, arch, dtype = cfg.model.family_impl, cfg.model.arch, cfg.model.torch_dtype
     config = family.transformer_config(arch, 1, params_dtype=dtype, perform_initialization=False)
     share = policy is not None and shares_base(cfg, state)
@@ -143,6 +147,10 @@ def _engine_model(cfg: RunConfig, state: ParallelState, policy: Policy | None) -
         new = (torch.nn.Parameter(torch.empty_like(param, device=state.torch_device), requires_grad=False)
                if leaf in ("lora_A", "lora_B") else shared[target_name(name)])
         setattr(model.get_submodule(owner), leaf, new)
+    shared_buffers = {target_name(n): b for n, b in policy.module.named_buffers()}  # e.g. SD3's position table
+    for name, _ in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, shared_buffers[target_name(name)])
     if left := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
         raise RuntimeError(f"rollout model: {left[:3]} still on the meta device after sharing the policy's base")
     return model
