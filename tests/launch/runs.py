@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -47,3 +48,9 @@ def wait_for_steps(run_dir: Path, n: int, alive, timeout_s: float = 300) -> None
 
 def latest_checkpoint(run_dir: Path) -> int:
     return int((run_dir / "checkpoints" / "latest").read_text())
+
+
+def rendezvous(log: str) -> tuple[set[str], set[str]]:
+    """The group ranks and group world sizes that torchrun agents logged (LOGLEVEL=INFO) as their rendezvous result:
+    ({"0", "1"}, {"2"}) when two agents formed one world."""
+    return set(re.findall(r"\]\s+group_rank=(\d+)", log)), set(re.findall(r"\]\s+group_world_size=(\d+)", log))
