@@ -12,6 +12,12 @@ The denoiser protocol the engine and the losses rely on: ``model(x_BIC, txt_BTE,
 ``step_inputs(model, sigmas_N)`` gives per-step keyword arguments computed once per rollout batch (a family
 without such a cache returns empty dicts).  Shape legend: B rows, I image tokens, C channels, T text tokens,
 E text width, N sampling steps.
+
+Text conditioning besides the token embeddings (SD3's pooled CLIP outputs): a family's ``encode(prompts)`` may
+return ``(emb, mask, extras)`` where ``extras`` maps a keyword argument of the denoiser to a tensor [N, ...] with
+one row per prompt; the engine and the trainer keep each prompt's rows with its text and pass them, stacked per
+batch row like the text, as keyword arguments.  A family without such inputs returns ``(emb, mask)``
+(:func:`split_encoding` reads both forms).
 """
 from __future__ import annotations
 
@@ -20,11 +26,38 @@ from typing import Any, Sequence
 
 import torch
 
+TextExtras = dict[str, torch.Tensor]  # denoiser keyword -> [N, ...] one row per prompt (per row once batched)
+
 # name -> module holding FAMILY, a ModelFamily instance; one line per family
 FAMILIES = {
     "qwen_image": "model_specs.qwen_image.family",
     "sd3": "model_specs.sd3.family",
 }
+
+
+def split_encoding(encoded) -> tuple[torch.Tensor, torch.Tensor, TextExtras]:
+    """(emb [N, T, E], mask [N, T], extras) of what a family's ``encode`` returned: ``(emb, mask)`` or ``(emb, mask,
+    extras)``; ValueError naming an extra whose rows do not match the prompts."""
+    if not isinstance(encoded, (tuple, list)) or len(encoded) not in (2, 3):
+        raise ValueError(f"a text encoder returned {type(encoded).__name__}; expected (emb, mask) or (emb, mask, "
+                         f"extras)")
+    emb, mask, extras = (*encoded, {}) if len(encoded) == 2 else encoded
+    for name, t in extras.items():
+        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != emb.shape[0]:
+            raise ValueError(f"text extra {name!r} has shape {getattr(t, 'shape', None)}; expected one row per "
+                             f"prompt, [{emb.shape[0]}, ...]")
+    return emb, mask, dict(extras)
+
+
+def stack_extras(rows: Sequence[TextExtras | None]) -> TextExtras:
+    """Per-row extras (each {name: [...]}, one per batch row) stacked to {name: [B, ...]}; every row must carry the
+    same names (one family); {} when none carries any."""
+    rows = [r or {} for r in rows]
+    names = set(rows[0]) if rows else set()
+    if any(set(r) != names for r in rows):
+        raise ValueError(f"rows of one batch carry different text extras {sorted({tuple(sorted(r)) for r in rows})}; "
+                         f"expected the same names on every row")
+    return {n: torch.stack([r[n] for r in rows]) for n in sorted(names)}
 
 
 class ModelFamily:
@@ -85,7 +118,8 @@ class ModelFamily:
     # ---- pipeline folders ---------------------------------------------------------------------------------
     def pipeline(self, path, dtype: torch.dtype = torch.float32, device="cpu"):
         """The parts of a diffusers pipeline folder around the denoiser, an object with: ``transformer_dir``;
-        ``encode(prompts) -> (emb [N, T, E], mask [N, T])`` as the pipeline encodes them; ``latent_grid(height,
+        ``encode(prompts) -> (emb [N, T, E], mask [N, T])`` as the pipeline encodes them (or ``(emb, mask, extras)``
+        with further denoiser inputs per prompt, see the module docstring); ``latent_grid(height,
         width) -> img_fhw``; ``decode(latents [N, I, C], img_fhw) -> images [N, 3, H, W] in [0, 1]``;
         ``sigmas(num_steps, img_fhw) -> [num_steps + 1]`` (the scheduler's shift); ``noise(generator, img_fhw)
         -> [I, C]`` (initial latents as the pipeline draws them).  ValueError naming a folder of another class
@@ -104,8 +138,9 @@ class ModelFamily:
     def global_rules(self) -> list:
         raise NotImplementedError
 
-    def block_rules(self) -> list:
-        """One block's rules, names with ``{i}`` for its global index (``Rule.expand``)."""
+    def block_rules(self, arch, index: int) -> list:
+        """Block ``index``'s rules (its global index), names expanded: what a pipeline stage holding that block
+        exports.  Blocks may differ (SD3's dual-attention blocks, its last ``context_pre_only`` block)."""
         raise NotImplementedError
 
     lora_targets: tuple[str, ...] = ()  # the default preset: diffusers module names

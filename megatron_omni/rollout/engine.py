@@ -30,10 +30,11 @@ from megatron_omni.rollout.config import EngineConfig
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
 from model_specs.common.fusion import fuse_inference, refresh_fused
-from model_specs.common.lora import base_parameters
-from model_specs.family import ModelFamily, family_of
+from model_specs.common.lora import base_tensors
+from model_specs.family import ModelFamily, TextExtras, family_of, split_encoding, stack_extras
 
-EncodeFn = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]  # prompts -> (emb [N,T,E], mask [N,T])
+# prompts -> (emb [N,T,E], mask [N,T]) or (emb, mask, extras {denoiser keyword: [N, ...]}): model_specs.family
+EncodeFn = Callable[[list[str]], tuple]
 # (a request's generator, img_fhw) -> its initial latents [S_I, C], as the model family's pipeline draws them
 # (e.g. diffusers' prepare_latents, so a seed gives the pipeline's image); None: randn [S_I, C] from the generator
 NoiseFn = Callable[[torch.Generator, tuple[int, int, int]], torch.Tensor]
@@ -42,7 +43,9 @@ NoiseFn = Callable[[torch.Generator, tuple[int, int, int]], torch.Tensor]
 @dataclass
 class Request:
     """One sample to generate.  Give ``prompt`` (encoded by the engine's ``encode_prompts``, cached per
-    string) or ``prompt_emb`` [T, E] with an optional bool ``prompt_mask`` [T] (True = real token)."""
+    string) or ``prompt_emb`` [T, E] with an optional bool ``prompt_mask`` [T] (True = real token) and, for a
+    family whose text encoder gives more (model_specs.family: SD3's pooled text), ``prompt_extras``
+    {denoiser keyword: one prompt's tensor, e.g. [P]}."""
 
     prompt: str = ""
     prompt_id: str | int | None = None
@@ -51,6 +54,8 @@ class Request:
     negative_prompt: str = ""  # the unconditional branch of CFG
     negative_prompt_emb: torch.Tensor | None = None
     negative_prompt_mask: torch.Tensor | None = None
+    prompt_extras: TextExtras | None = None  # with prompt_emb: its further denoiser inputs, one prompt's rows
+    negative_prompt_extras: TextExtras | None = None
     seed: int = 0
     # the seed of the initial noise's own generator (e.g. one per group: DanceGRPO's shared initial noise); None:
     # drawn by the request's generator (``seed``), which then draws only the window start and the steps' noise
@@ -115,8 +120,8 @@ class _Prepared:
     request: Request
     key: tuple
     # per branch (cond, then uncond with CFG): text [L_j, E] right-padded with zeros, mask [L_j] (True = real
-    # token) or None when nothing is padded
-    texts: list[tuple[torch.Tensor, torch.Tensor | None]]
+    # token) or None when nothing is padded, and the prompt's text extras (model_specs.family; {} for none)
+    texts: list[tuple[torch.Tensor, torch.Tensor | None, TextExtras]]
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -240,7 +245,7 @@ class EmbeddedEngine:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         first = next(model.parameters())
         self._device, self._dtype = first.device, first.dtype
-        self._prompt_cache: dict[str, torch.Tensor] = {}  # prompt -> its real tokens [T, E]
+        self._prompt_cache: dict[str, tuple[torch.Tensor, TextExtras]] = {}  # prompt -> (real tokens [T, E], extras)
         self._run_lock = threading.Lock()  # one batch (or weight load) at a time
         self._cv = threading.Condition()  # guards the submit() queue below
         self._pending: list[tuple[_Prepared, Future]] = []
@@ -332,29 +337,34 @@ class EmbeddedEngine:
             return
         if self.encode_prompts is None:
             raise ValueError(f"prompt {texts[0]!r} has no embeddings and the engine has no encode_prompts")
-        emb_NTE, mask_NT = self.encode_prompts(texts)
+        emb_NTE, mask_NT, extras = split_encoding(self.encode_prompts(texts))
         e = self.text_dim
         if emb_NTE.dim() != 3 or emb_NTE.shape[0] != len(texts) or emb_NTE.shape[2] != e \
                 or tuple(mask_NT.shape) != tuple(emb_NTE.shape[:2]):
             raise ValueError(f"encode_prompts gave emb {tuple(emb_NTE.shape)}, mask {tuple(mask_NT.shape)} for "
                              f"{len(texts)} prompts; expected [{len(texts)}, T, {e}] and [{len(texts)}, T]")
-        for text, emb_TE, mask_T in zip(texts, emb_NTE, mask_NT):
-            self._prompt_cache[text] = real_tokens(emb_TE, mask_T, text)
+        for n, (text, emb_TE, mask_T) in enumerate(zip(texts, emb_NTE, mask_NT)):
+            self._prompt_cache[text] = (real_tokens(emb_TE, mask_T, text),
+                                        {k: v[n].detach().clone() for k, v in extras.items()})
 
     def _prepared(self, r: Request) -> _Prepared:
-        parts = [real_tokens(r.prompt_emb, r.prompt_mask, r.prompt) if r.prompt_emb is not None
-                 else self._prompt_cache[r.prompt]]
+        parts = [(real_tokens(r.prompt_emb, r.prompt_mask, r.prompt), r.prompt_extras or {})
+                 if r.prompt_emb is not None else self._prompt_cache[r.prompt]]
         if r.cfg:
-            parts.append(real_tokens(r.negative_prompt_emb, r.negative_prompt_mask, r.negative_prompt)
+            parts.append((real_tokens(r.negative_prompt_emb, r.negative_prompt_mask, r.negative_prompt),
+                          r.negative_prompt_extras or {})
                          if r.negative_prompt_emb is not None else self._prompt_cache[r.negative_prompt])
         texts = []
-        for part in parts:
+        for part, extras in parts:
             (txt,), mask = pad_rows([part], padded_length([part.shape[0]], self.config.text_pad_multiple))
-            texts.append((txt.to(self._device), None if mask is None else mask[0].to(self._device)))
+            texts.append((txt.to(self._device), None if mask is None else mask[0].to(self._device),
+                          {k: v.to(self._device) for k, v in extras.items()}))
         cfg = (r.guidance_scale, r.cfg_rescale) if r.cfg else None
         schedule = None if r.sigmas is None else tuple(float(v) for v in r.sigmas)
         key = (tuple(r.img_fhw), r.num_steps, float(r.shift), schedule, r.sampler, float(r.noise_level), cfg,
-               r.log_prob_form, tuple((txt.shape[0], mask is not None) for txt, mask in texts),
+               r.log_prob_form, tuple((txt.shape[0], mask is not None, tuple((k, tuple(v.shape)) for k, v in
+                                                                          sorted(extras.items())))
+                                      for txt, mask, extras in texts),
                None if r.context_latents is None else tuple(r.context_latents.shape))
         return _Prepared(r, key, texts)
 
@@ -395,18 +405,21 @@ class EmbeddedEngine:
         v_uncond_BX)`` sees each step's uncond output.  Cond and uncond rows share one forward when their text
         has one layout (length and masking); else each branch runs its own forward, unpadded, unmasked."""
         r0 = items[0].request
-        branches = []  # (text [B, L_j, E], mask [B, L_j] or None) per branch: one layout per batch (its key)
+        # (text [B, L_j, E], mask [B, L_j] or None, extras {name: [B, ...]}) per branch: one layout per batch (its key)
+        branches = []
         for j in range(len(items[0].texts)):
             txt = torch.stack([p.texts[j][0] for p in items]).to(self._device, self._dtype)
             masked = items[0].texts[j][1] is not None
-            branches.append((txt, torch.stack([p.texts[j][1] for p in items]) if masked else None))
+            extras = {k: v.to(self._dtype) for k, v in stack_extras([p.texts[j][2] for p in items]).items()}
+            branches.append((txt, torch.stack([p.texts[j][1] for p in items]) if masked else None, extras))
         shared = len(branches) == 2 and branches[0][0].shape == branches[1][0].shape \
             and (branches[0][1] is None) == (branches[1][1] is None)
         if shared:  # [cond; uncond] rows of one forward
-            (txt_c, mask_c), (txt_u, mask_u) = branches
-            forwards = [(torch.cat([txt_c, txt_u]), None if mask_c is None else torch.cat([mask_c, mask_u]), 2)]
+            (txt_c, mask_c, ext_c), (txt_u, mask_u, ext_u) = branches
+            forwards = [(torch.cat([txt_c, txt_u]), None if mask_c is None else torch.cat([mask_c, mask_u]),
+                         {k: torch.cat([ext_c[k], ext_u[k]]) for k in ext_c}, 2)]
         else:
-            forwards = [(txt, mask, 1) for txt, mask in branches]
+            forwards = [(txt, mask, extras, 1) for txt, mask, extras in branches]
 
         steps = self.family.step_inputs(self.model, sigmas_N1[:-1])  # per-step conditioning, once per batch
         context_BSC, fhw = None, r0.img_fhw  # an edit's source tokens after the sampled ones, its own frames
@@ -420,7 +433,7 @@ class EmbeddedEngine:
             if context_BSC is not None:
                 x = torch.cat([x, context_BSC], dim=1)
             outs = [self.model(torch.cat([x] * rows) if rows > 1 else x, txt, sigmas_N1[i].expand(rows * x.shape[0]),
-                               fhw, mask, **steps[i]) for txt, mask, rows in forwards]
+                               fhw, mask, **extras, **steps[i]) for txt, mask, extras, rows in forwards]
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if context_BSC is not None:
                 out = out[:, :n_img]
@@ -447,7 +460,7 @@ class EmbeddedEngine:
         load_into = getattr(weights, "load_into", None)
         if load_into is not None:
             return load_into(self)
-        params = base_parameters(self.model)
+        params = base_tensors(self.model)  # parameters and buffers (a position table) the table names
         rules = self.family.rules(self.arch)
         stager = _WeightStager(rules, params, self.family.num_heads(self.arch), self.tp_rank, self.tp_size,
                                self.family.transformer_class)
@@ -463,7 +476,7 @@ class EmbeddedEngine:
         """Per HF name: (the view of this rank's parameter that tensor fills, a function giving the matching
         view of the whole HF tensor); per fused QKV also under the tuple of its three names, for q, k, v
         stacked.  See ``checkpoints_convert.mapping.hf_views``.  Copy under ``writing_weights``."""
-        params, heads = base_parameters(self.model), self.family.num_heads(self.arch)
+        params, heads = base_tensors(self.model), self.family.num_heads(self.arch)
         out = {}
         for rule in self.family.rules(self.arch):
             out.update(hf_views(rule, params[rule.mcore].data, heads, self.tp_rank, self.tp_size))

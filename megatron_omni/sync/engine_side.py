@@ -28,7 +28,7 @@ from checkpoints_convert.mapping import hf_shapes
 from megatron_omni.sync.broadcaster import Incoming
 from megatron_omni.sync.exporter import TensorMeta
 from megatron_omni.sync.stream import ALIGN, copy_groups, run_copies
-from model_specs.common.lora import base_parameters, load_peft_state_dict, lora_modules, peft_state_dict
+from model_specs.common.lora import base_tensors, load_peft_state_dict, lora_modules, peft_state_dict
 
 
 @dataclass
@@ -54,7 +54,7 @@ _STATES: "weakref.WeakKeyDictionary[object, _SyncState]" = weakref.WeakKeyDictio
 
 def _state(engine) -> _SyncState:
     if engine not in _STATES:
-        _STATES[engine] = _SyncState(lora=lora_modules(engine.model), params=list(engine.model.parameters()))
+        _STATES[engine] = _SyncState(lora=lora_modules(engine.model), params=[*engine.model.parameters(), *engine.model.buffers()])
     return _STATES[engine]
 
 
@@ -63,7 +63,7 @@ def expected_shapes(engine, mode: str) -> dict[str, tuple[int, ...]]:
     if mode == "lora":
         return {name: tuple(t.shape) for m in lora_modules(model).values()
                 for name, t, dim in _global_adapters(m)}
-    params = base_parameters(model)  # an engine with LoRA applied holds its base under .base
+    params = base_tensors(model)  # an engine with LoRA applied holds its base under .base; buffers too
     rules = engine.family.rules(engine.arch)
     glob = {r.mcore: tuple(s * (engine.tp_size if d == r.tp_dim else 1) for d, s in enumerate(params[r.mcore].shape))
             for r in rules}
@@ -298,5 +298,5 @@ def held(engine, mode: str) -> dict[str, torch.Tensor]:
     """The engine's tensors under the names the trainer sent (engine at TP=1)."""
     if mode == "lora":
         return peft_state_dict(engine.model)
-    params = base_parameters(engine.model)
+    params = base_tensors(engine.model)
     return dict(hf_state_from_mcore(engine.arch, params.__getitem__))

@@ -87,7 +87,7 @@ class HFExporter:
 
     # ---- what is exported ----------------------------------------------------------------------
     def _rule_items(self, pp_group) -> list[_Item]:
-        global_rules, block_rules = self.family.global_rules(), self.family.block_rules()
+        global_rules = self.family.global_rules()
         local_globals = [r.mcore for r in global_rules if r.mcore in self.local]
         owned = set(local_globals)
         if pp_group is not None and dist.get_world_size(pp_group) > 1:
@@ -97,7 +97,7 @@ class HFExporter:
             owned -= earlier
         items = [_Item(r.mcore, r, None, r.tp_dim) for r in global_rules if r.mcore in owned]
         for i in sorted(int(name) for name, _ in self.module.blocks.named_children()):
-            items += [_Item(rule.mcore, rule, None, rule.tp_dim) for rule in (r.expand(i) for r in block_rules)]
+            items += [_Item(rule.mcore, rule, None, rule.tp_dim) for rule in self.family.block_rules(self.arch, i)]
         return items
 
     def _adapter_items(self) -> list[_Item]:

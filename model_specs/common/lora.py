@@ -273,6 +273,12 @@ def base_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {target_name(n): p for n, p in model.named_parameters() if not n.endswith((".lora_A", ".lora_B"))}
 
 
+def base_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``base_parameters`` and the model's buffers (e.g. SD3's position table) under the plain model's names: every
+    tensor a mapping table may name, for loading and syncing weights."""
+    return {**base_parameters(model), **{target_name(n): b for n, b in model.named_buffers()}}
+
+
 @contextlib.contextmanager
 def disable_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Run ``model`` as its frozen base (the reference policy of the KL term); yields the model."""

@@ -89,10 +89,10 @@ class QwenImageFamily(ModelFamily):
 
         return GLOBAL_RULES
 
-    def block_rules(self) -> list:
+    def block_rules(self, arch: QwenImageConfig, index: int) -> list:
         from checkpoints_convert.qwen_image import BLOCK_RULES
 
-        return BLOCK_RULES
+        return [r.expand(index) for r in BLOCK_RULES]  # every block alike
 
     def forward_flops(self, arch: QwenImageConfig, batch: int, image_tokens: int, text_tokens: int) -> float:
         from model_specs.qwen_image.flops import forward_flops

@@ -90,10 +90,10 @@ class SD3Family(ModelFamily):
 
         return GLOBAL_RULES
 
-    def block_rules(self) -> list:
-        raise NotImplementedError(
-            "SD3 blocks do not share one rule template (MMDiT-X attn2 in dual_attention_layers, the last block's "
-            "context_pre_only): use rules(arch), or checkpoints_convert.sd3.block_rules(arch, i) for block i")
+    def block_rules(self, arch: SD3Config, index: int) -> list:
+        from checkpoints_convert.sd3 import block_rules
+
+        return block_rules(arch, index)  # MMDiT-X attn2 in dual_attention_layers, the last block context_pre_only
 
     def forward_flops(self, arch: SD3Config, batch: int, image_tokens: int, text_tokens: int) -> float:
         from model_specs.sd3.flops import forward_flops

@@ -25,10 +25,10 @@ def test_registry_finds_the_family_and_says_what_is_missing(tmp_path):
         == (3, 4, 32, 64)
     with pytest.raises(ValueError, match=r"tp\*ulysses = 1\*8 does not divide num_attention_heads=4"):
         family.check_layout(arch, tp=1, ulysses=8)
-    with pytest.raises(NotImplementedError, match="StableDiffusion3Pipeline parts .* are not built"):
-        family.pipeline(tmp_path)
-    with pytest.raises(NotImplementedError, match="do not share one rule template"):
-        family.block_rules()
+    # per-block rules: the dual-attention block has attn2, the last (context_pre_only) block no text output
+    names = [{h for r in family.block_rules(arch, i) for h in r.hf} for i in range(arch.num_layers)]
+    assert any(".attn2." in n for n in names[0]) and "transformer_blocks.2.attn.to_add_out.weight" not in names[2]
+    assert family.rules(arch) == family.global_rules() + [r for i in range(3) for r in family.block_rules(arch, i)]
 
 
 def test_family_build_at_tp1_runs(single_rank):

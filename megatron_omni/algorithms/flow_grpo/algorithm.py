@@ -159,7 +159,7 @@ class FlowGRPO(Algorithm):
             if emb is not None:  # the request's own embeddings (an edit's)
                 return padded_length([emb.shape[0] if mask is None else int(mask.sum())], cfg.rollout.text_pad_multiple)
             if prompt not in lengths:
-                lengths[prompt] = length(prompt, *text[prompt])
+                lengths[prompt] = length(prompt, *text[prompt][:2])
             return lengths[prompt]
 
         def row(t: Trajectory, negative: bool) -> tuple[int, int]:

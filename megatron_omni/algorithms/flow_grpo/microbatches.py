@@ -22,8 +22,10 @@ from dataclasses import replace
 from megatron_omni.algorithms.flow_grpo.step import FlowGRPOMicroBatch
 from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.engine import EngineConfig, Trajectory
+from model_specs.family import stack_extras
 
-TextTable = dict[str, tuple[torch.Tensor, torch.Tensor]]  # prompt -> (emb [T, E], mask [T])
+# prompt -> (emb [T, E], mask [T]) or (emb, mask, extras {name: one prompt's tensor}): trainer.build.TextTable
+TextTable = dict[str, tuple]
 
 
 def _pairs(trajs: list[Trajectory]) -> list[tuple[int, int]]:
@@ -48,23 +50,32 @@ def without_reused_uncond(mbs: list[FlowGRPOMicroBatch]) -> list[FlowGRPOMicroBa
 
 
 def _text_rows(rows: list[Trajectory], text: TextTable, cfg: bool, multiple: int, device):
-    """The micro-batch's cond text and mask, and with ``cfg`` the negative prompt's, each branch in the engine's
-    layout: every prompt padded to its own multiple of ``multiple``, the branch to its longest row."""
+    """The micro-batch's cond (text, mask, extras), and with ``cfg`` the negative prompt's, each branch in the
+    engine's layout: every prompt padded to its own multiple of ``multiple``, the branch to its longest row; the
+    extras (model_specs.family) stacked per row, {} for a family without."""
     real = {}  # prompt -> its real tokens (once per prompt: the boolean indexing reads the mask on the host)
 
     def tokens(prompt: str, emb: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         if emb is not None:  # the request's own embeddings (e.g. an edit's, encoded with its source image)
             return real_tokens(emb, mask, prompt)
         if prompt not in real:
-            real[prompt] = real_tokens(*text[prompt], prompt)
+            real[prompt] = real_tokens(*text[prompt][:2], prompt)
         return real[prompt]
 
-    branches = [[tokens(t.request.prompt, t.request.prompt_emb, t.request.prompt_mask) for t in rows]]
+    def extras(prompt: str, emb: torch.Tensor | None, own: dict | None) -> dict:
+        if emb is not None:
+            return own or {}
+        return text[prompt][2] if len(text[prompt]) > 2 else {}
+
+    q = [t.request for t in rows]
+    branches = [[tokens(r.prompt, r.prompt_emb, r.prompt_mask) for r in q]]
+    row_extras = [[extras(r.prompt, r.prompt_emb, r.prompt_extras) for r in q]]
     if cfg:
-        branches.append([tokens(t.request.negative_prompt, t.request.negative_prompt_emb,
-                                t.request.negative_prompt_mask) for t in rows])
+        branches.append([tokens(r.negative_prompt, r.negative_prompt_emb, r.negative_prompt_mask) for r in q])
+        row_extras.append([extras(r.negative_prompt, r.negative_prompt_emb, r.negative_prompt_extras) for r in q])
     out = [pad_rows(parts, max(padded_length([p.shape[0]], multiple) for p in parts)) for parts in branches]
-    return [(txt.to(device), None if mask is None else mask.to(device)) for txt, mask in out]
+    return [(txt.to(device), None if mask is None else mask.to(device),
+             {k: v.to(device) for k, v in stack_extras(ext).items()}) for (txt, mask), ext in zip(out, row_extras)]
 
 
 def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text: TextTable,
@@ -90,17 +101,17 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
         chunk = pairs[k:k + size]
         rows = [trajs[i] for i, _ in chunk]
         steps = torch.tensor([j for _, j in chunk])
-        (txt, mask), *negative = _text_rows(rows, text, req.cfg, text_pad_multiple, device)
+        (txt, mask, extras), *negative = _text_rows(rows, text, req.cfg, text_pad_multiple, device)
         uncond = {}
         if req.cfg:
-            (u_txt, u_mask), = negative
+            (u_txt, u_mask, u_extras), = negative
             uncond = dict(uncond_txt=u_txt, uncond_mask=u_mask, guidance_scale=req.guidance_scale,
-                          cfg_rescale=req.cfg_rescale)
+                          cfg_rescale=req.cfg_rescale, uncond_extras=u_extras or None)
             if reuse_uncond:
                 uncond["uncond_velocity"] = _reused_uncond(trajs, chunk).to(device)
         out.append(FlowGRPOMicroBatch(
             x_t=torch.stack([t.latents[j] for t, j in zip(rows, steps)]),
-            txt=txt, txt_mask=mask, img_fhw=req.img_fhw,
+            txt=txt, txt_mask=mask, img_fhw=req.img_fhw, txt_extras=extras or None,
             x_next=torch.stack([t.latents[j + 1] for t, j in zip(rows, steps)]),
             t=torch.stack([t.sigmas[j] for t, j in zip(rows, steps)]).to(device),
             t_next=torch.stack([t.sigmas[j + 1] for t, j in zip(rows, steps)]).to(device),

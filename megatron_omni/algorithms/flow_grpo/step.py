@@ -96,6 +96,10 @@ class FlowGRPOMicroBatch:
     # [B, S_c, C]: fixed image tokens after x_t in every forward (an edit's source image, the rollout request's
     # context_latents), whole frames of img_fhw's grid; the velocity is the output's first I tokens
     context: torch.Tensor | None = None
+    # {denoiser keyword: [B, ...]} the prompts' text extras (model_specs.family: SD3's pooled text), and the
+    # negative prompts' with true CFG; None: the family has none
+    txt_extras: dict[str, torch.Tensor] | None = None
+    uncond_extras: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self):
         check_kind(self.sampler)
@@ -151,6 +155,19 @@ def model_inputs(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None, uncon
     return img, txt, sigma, fhw, mask
 
 
+def model_extras(mb: FlowGRPOMicroBatch, dtype: torch.dtype | None = None,
+                 uncond_rows: bool | None = None) -> dict[str, torch.Tensor]:
+    """The text extras (keyword arguments) of the forward ``model_inputs`` builds: the cond rows', then with
+    uncond rows the negative prompts' ([2B, ...]); cast to ``dtype`` as the rollout engine casts them."""
+    if uncond_rows is None:
+        uncond_rows = mb.uncond_rows
+    extras = dict(mb.txt_extras or {})
+    if uncond_rows:
+        uncond = mb.uncond_extras or {}
+        extras = {k: torch.cat([v, uncond[k]]) for k, v in extras.items()}
+    return {k: v.to(dtype) for k, v in extras.items()} if dtype is not None else extras
+
+
 def _with_context(img: torch.Tensor, mb: FlowGRPOMicroBatch) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """(the forward's image tokens, its grid): with ``mb.context``, [x; context] per row at the stacked grid."""
     if mb.context is None:
@@ -181,15 +198,16 @@ def model_output(model: torch.nn.Module, mb: FlowGRPOMicroBatch, dtype: torch.dt
         uncond_rows = mb.uncond_rows
     _check_context(model, mb)
     if not uncond_rows or joint or not _whole(model):
-        return model(*model_inputs(mb, dtype, uncond_rows))
+        return model(*model_inputs(mb, dtype, uncond_rows), **model_extras(mb, dtype, uncond_rows))
     if mb.uncond_txt is None:
         raise ValueError("model_output: uncond rows asked for a micro-batch without uncond_txt")
-    cond = model(*model_inputs(mb, dtype, uncond_rows=False))
+    cond = model(*model_inputs(mb, dtype, uncond_rows=False), **model_extras(mb, dtype, uncond_rows=False))
     (img, fhw), txt = _with_context(mb.x_t, mb), mb.uncond_txt
     if dtype is not None:
         img, txt = img.to(dtype), txt.to(dtype)
     with torch.no_grad():
-        uncond = model(img, txt, mb.t, fhw, mb.uncond_mask)
+        uncond_extras = {k: v if dtype is None else v.to(dtype) for k, v in (mb.uncond_extras or {}).items()}
+        uncond = model(img, txt, mb.t, fhw, mb.uncond_mask, **uncond_extras)
     return torch.cat([cond, uncond])
 
 
@@ -289,4 +307,4 @@ def _whole(model: torch.nn.Module) -> bool:
 
 
 __all__ = ["LOG_PROB", "FlowGRPOMicroBatch", "ReferenceFn", "flow_grpo_forward_step", "guided_velocity", "loss_func",
-           "model_inputs", "model_output", "step_log_prob", "step_mean"]
+           "model_extras", "model_inputs", "model_output", "step_log_prob", "step_mean"]
