@@ -179,7 +179,7 @@ def _folder_variant(folder: Path, root: Path, case: str) -> Path:
     shutil.copytree(folder, copy)
     if case == "other_class":
         index = json.loads((copy / "model_index.json").read_text())
-        (copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusion3Pipeline"}))
+        (copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
     elif case == "missing_vae":
         shutil.rmtree(copy / "vae")
     elif case == "other_arch":
@@ -197,7 +197,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(folder, lora_run, tmp_path, c
     variants = {case: _folder_variant(folder, tmp_path, case) for case in ("other_class", "missing_vae", "other_arch")}
     cases = [  # (model, extra arguments, what the message names)
         (folder, ["--lora", str(lora), "--checkpoint", str(run)], "give one of them"),
-        (variants["other_class"], [], "no model family loads diffusers class 'StableDiffusion3Pipeline'"),
+        (variants["other_class"], [], "no model family loads diffusers class 'FluxPipeline'"),
         (variants["missing_vae"], [], "lacks the component 'vae'"),
         (edit, [], "QwenImageEditPipeline folder: --prompts"),  # an edit takes a JSONL with source images
         (variants["other_arch"], ["--checkpoint", str(run)], "num_layers=2 (model: 1)"),

@@ -224,3 +224,97 @@ def edit_pipeline_processor(folder: str | os.PathLike):
     with mock.patch.object(Qwen2VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None):
         return Qwen2VLProcessor(image_processor=AutoImageProcessor.from_pretrained(folder / "processor"),
                                 tokenizer=AutoTokenizer.from_pretrained(folder / "processor"))
+
+
+# ---- StableDiffusion3Pipeline ------------------------------------------------------------------------------------
+CLIP_SPECIALS = ("<|startoftext|>", "<|endoftext|>")
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5's sentencepiece vocabulary
+SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)  # SD3 / SD3.5's scheduler_config.json (static shift)
+
+
+def build_clip_tokenizer(vocab_size: int = 600):
+    """A CLIP-style BPE (lower-cased NFC text, byte-level words ending in ``</w>``, every text wrapped in
+    ``<|startoftext|>`` ... ``<|endoftext|>``) trained on ``CORPUS``, as the ``CLIPTokenizerFast`` SD3 loads
+    (77 tokens, padded with ``<|endoftext|>``)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import CLIPTokenizerFast
+
+    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token="<|endoftext|>"))
+    bpe.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CLIP_SPECIALS), min_frequency=1,
+                                  end_of_word_suffix="</w>", initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(CORPUS, trainer=trainer)
+    bos, eos = CLIP_SPECIALS
+    bpe.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B {eos}",
+        special_tokens=[(t, bpe.token_to_id(t)) for t in CLIP_SPECIALS])
+    return CLIPTokenizerFast(tokenizer_object=bpe, bos_token=bos, eos_token=eos, unk_token=eos, pad_token=eos,
+                             model_max_length=77)
+
+
+def build_t5_tokenizer(vocab_size: int = 300):
+    """A T5-style Unigram (Metaspace words, ``</s>`` appended) trained on ``CORPUS``, as ``T5TokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import T5TokenizerFast
+
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    unigram.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=list(T5_SPECIALS), unk_token="<unk>",
+                                      show_progress=False)
+    unigram.train_from_iterator(CORPUS, trainer=trainer)
+    unigram.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", unigram.token_to_id("</s>"))])
+    return T5TokenizerFast(tokenizer_object=unigram, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                           extra_ids=0, model_max_length=512)
+
+
+def _clip_encoder(tokenizer, hidden: int, projection: int, layers: int = 2, heads: int = 4):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                            num_hidden_layers=layers, num_attention_heads=heads, projection_dim=projection,
+                            max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return CLIPTextModelWithProjection(config).eval()
+
+
+def build_sd3_pipeline(out_dir: str | os.PathLike, *, seed: int = 0, layers: int = 2, heads: int = 4,
+                       head_dim: int = 16, clip_hidden: int = 32, clip_projection: int = 32, t5_dim: int = 64,
+                       dual_attention_layers: tuple[int, ...] = (0,), qk_norm: str | None = "rms_norm") -> Path:
+    """Write a tiny random-init ``StableDiffusion3Pipeline`` folder at ``out_dir`` (SD3.5-Medium's shape by default:
+    MMDiT-X dual attention in block 0, RMS q/k norm) and return its path.  CLIP-L and CLIP-G are two small
+    ``CLIPTextModelWithProjection``s sharing one tokenizer; T5 has width ``t5_dim``, the transformer's
+    ``joint_attention_dim`` (CLIP's hidden states are zero-padded to it); ``pooled_projection_dim`` is the two
+    projections concatenated.  VAE: a 4-level ``AutoencoderKL`` (factor 8) with 16 latent channels and SD3's
+    scaling / shift factors; scheduler: SD3's static shift 3."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import T5Config, T5EncoderModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+        clip_l = _clip_encoder(clip_tok, clip_hidden, clip_projection)
+        clip_g = _clip_encoder(clip_tok, clip_hidden, clip_projection)
+        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=t5_dim, d_kv=t5_dim // 4, d_ff=2 * t5_dim,
+                                     num_layers=2, num_heads=4, pad_token_id=t5_tok.pad_token_id,
+                                     eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=t5_tok.pad_token_id))
+        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8,) * 4, layers_per_block=1,
+                            norm_num_groups=4, latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609,
+                            use_quant_conv=False, use_post_quant_conv=False)
+        transformer = SD3Transformer2DModel(
+            sample_size=32, patch_size=2, in_channels=16, num_layers=layers, attention_head_dim=head_dim,
+            num_attention_heads=heads, joint_attention_dim=t5_dim, caption_projection_dim=heads * head_dim,
+            pooled_projection_dim=2 * clip_projection, out_channels=16, pos_embed_max_size=64,
+            dual_attention_layers=tuple(dual_attention_layers), qk_norm=qk_norm)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER), vae=vae.eval(),
+        text_encoder=clip_l, tokenizer=clip_tok, text_encoder_2=clip_g, tokenizer_2=clip_tok, text_encoder_3=t5.eval(),
+        tokenizer_3=t5_tok)
+    out = Path(out_dir)
+    pipe.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,9 +1,6 @@
 """SD3 / SD3.5 as a ``ModelFamily`` (model_specs.family): diffusers' ``SD3Transformer2DModel`` as megatron-core
-specs, its mapping table (checkpoints_convert/sd3.py) and FLOPs.
-
-Not here yet (issue 22, parts 3-5): the ``StableDiffusion3Pipeline`` parts (CLIP-L / CLIP-G / T5 text encoders
-with the 77 + 256 token layout and pooled outputs, the VAE with its scaling and shift, the scheduler's shift);
-so no pipeline class is claimed and :meth:`SD3Family.pipeline` raises NotImplementedError.
+specs, its mapping table (checkpoints_convert/sd3.py), FLOPs and the ``StableDiffusion3Pipeline`` parts
+(model_specs/sd3/pipeline.py: the pooled text reaches the denoiser as the text extra ``pooled_BP``).
 """
 from __future__ import annotations
 
@@ -23,6 +20,7 @@ class SD3Family(ModelFamily):
     name = "sd3"
     arch_class = SD3Config
     transformer_class = DIFFUSERS_CLASS
+    pipeline_classes = ("StableDiffusion3Pipeline",)
     guidance_rescale = None  # plain CFG, as StableDiffusion3Pipeline
     lora_targets = SD3_LORA_TARGETS
 
@@ -74,11 +72,9 @@ class SD3Family(ModelFamily):
                         post_process=post_process, layers=layers)
 
     def pipeline(self, path, dtype: torch.dtype = torch.float32, device="cpu"):
-        raise NotImplementedError(
-            f"model family 'sd3' loads no pipeline folders yet ({path}): the StableDiffusion3Pipeline parts (CLIP-L "
-            f"and CLIP-G pooled + penultimate states and T5 with the 77 + 256 token layout, the 16-channel VAE with "
-            f"its scaling and shift factors, the scheduler's shift) and a way for the denoiser protocol to carry "
-            f"the pooled text embeddings (SD3Model's pooled_BP) are not built (issue 22, part 3)")
+        from model_specs.sd3.pipeline import SD3Parts
+
+        return SD3Parts.from_folder(path, dtype, device)
 
     def rules(self, arch: SD3Config) -> list:
         from checkpoints_convert.sd3 import sd3_rules
