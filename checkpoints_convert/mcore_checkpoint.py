@@ -74,8 +74,28 @@ def load_global_tensors(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 def weights_sharded_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The model's sharded state dict without ``_extra_state`` entries: those carry layer state that is
     not a weight (Transformer Engine's FP8 scaling history; None for local layers), which a converted
-    checkpoint does not have and a weight checkpoint need not keep."""
-    return {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    checkpoint does not have and a weight checkpoint need not keep.  Under pipeline parallelism a tensor that
+    several stages hold alike (a DiT's timestep embedder, replicated on every stage) is marked a replica on every
+    stage but the first that holds it, so that exactly one rank writes it."""
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    _mark_stage_replicas(sharded)
+    return sharded
+
+
+def _mark_stage_replicas(sharded: dict[str, Any]) -> None:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    group, stage = parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_pipeline_model_parallel_rank()
+    keys = {v.key for v in sharded.values() if isinstance(v, ShardedTensor)}
+    held: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, keys, group=group)
+    earlier = set().union(*held[:stage])
+    for value in sharded.values():
+        if isinstance(value, ShardedTensor) and value.key in earlier:
+            replica = value.replica_id if isinstance(value.replica_id, tuple) else (value.replica_id,)
+            value.replica_id = (stage, *replica[1:]) if len(replica) > 1 else (stage, *replica)
 
 
 def save_model(model: torch.nn.Module, out_dir: str | os.PathLike, meta: dict[str, Any]) -> None:

@@ -75,6 +75,6 @@ def test_forwarded_module_missing_is_a_clean_error(capsys, monkeypatch):
     assert "megatron-omni demo: error: cannot import megatron_omni.no_such_module" in capsys.readouterr().err
 
 
-def test_train_refuses_pipeline_parallel_loop_clearly(capsys):
-    assert cli.main(["train", "--recipe", "digits_flow_grpo", "parallel.pp=2"]) == 2
-    assert "the FlowGRPO loop runs at pp=1 and cp=1 today" in capsys.readouterr().err
+def test_train_refuses_an_interleaved_pipeline_loop_clearly(capsys):
+    assert cli.main(["train", "--recipe", "digits_flow_grpo", "parallel.pp=2", "parallel.vpp=2"]) == 2
+    assert "parallel.vpp=2: the RL loop runs non-interleaved pipelines today" in capsys.readouterr().err

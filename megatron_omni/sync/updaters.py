@@ -10,14 +10,17 @@ source tensors are resolved once (the optimizer updates the parameters in place)
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
 from megatron_omni.sync import engine_side
 from megatron_omni.sync.broadcaster import SyncError
 from megatron_omni.sync.exporter import HFExporter
 
 
 class _Updater:
-    def __init__(self, module, tp_group, engine, mode: str, bucket_bytes: int, checksum: bool):
-        self.module, self.tp_group, self.engine = module, tp_group, engine
+    def __init__(self, module, tp_group, engine, mode: str, bucket_bytes: int, checksum: bool, pp_group=None):
+        self.module, self.tp_group, self.engine, self.pp_group = module, tp_group, engine, pp_group
         self.mode, self.bucket_bytes, self.checksum = mode, bucket_bytes, checksum
         self.exporters: dict[str, HFExporter] = {}
         self.engine_has_base = False  # "lora": the engine holds the trainer's base weights
@@ -25,7 +28,8 @@ class _Updater:
 
     def _exporter(self, mode: str) -> HFExporter:
         if mode not in self.exporters:
-            self.exporters[mode] = HFExporter(self.module, self.tp_group, mode=mode, bucket_bytes=self.bucket_bytes)
+            self.exporters[mode] = HFExporter(self.module, self.tp_group, self.pp_group, mode=mode,
+                                              bucket_bytes=self.bucket_bytes)
         return self.exporters[mode]
 
     def _send(self, exporter: HFExporter) -> dict:
@@ -43,11 +47,35 @@ class _Updater:
 
 
 class InProcessUpdater(_Updater):
-    """export → the in-process engine's receiver (no transport; every TP rank gathers and loads its own engine)."""
+    """export → the in-process engine's receiver (no transport; every TP rank gathers and loads its own engine).
+    Under pipeline parallelism every rank's engine holds the whole model: each stage's tensors (its blocks and the
+    global tensors it owns, ``HFExporter``) are broadcast over the pipeline group, stage by stage."""
 
     def _send(self, exporter: HFExporter) -> dict:
-        engine_side.load(self.engine, exporter.mode, exporter.tensors())
-        return {"tensors": len(exporter.plan())}
+        if self.pp_group is None or dist.get_world_size(self.pp_group) == 1:
+            engine_side.load(self.engine, exporter.mode, exporter.tensors())
+            return {"tensors": len(exporter.plan())}
+        count = 0
+        for stage in range(dist.get_world_size(self.pp_group)):
+            pairs = stage_tensors(exporter, self.pp_group, stage)
+            engine_side.load(self.engine, exporter.mode, pairs)
+            count += len(pairs)
+        return {"tensors": count}
+
+
+def stage_tensors(exporter: HFExporter, pp_group, stage: int) -> list[tuple[str, torch.Tensor]]:
+    """Pipeline stage ``stage``'s exported (HF name, tensor) pairs on every rank of ``pp_group``: the stage
+    gathers them (over its TP group) and broadcasts names, shapes and dtypes, then each tensor."""
+    src = dist.get_global_rank(pp_group, stage)
+    mine = dist.get_rank(pp_group) == stage
+    held = [(name, t.detach().clone()) for name, t in exporter.tensors()] if mine else []
+    box = [[(name, tuple(t.shape), t.dtype) for name, t in held]]
+    dist.broadcast_object_list(box, src=src, group=pp_group)
+    device = next(exporter.module.parameters()).device
+    out = held if mine else [(name, torch.empty(shape, dtype=dtype, device=device)) for name, shape, dtype in box[0]]
+    for _, t in out:
+        dist.broadcast(t, src=src, group=pp_group)
+    return out
 
 
 class EngineProcessUpdater(_Updater):

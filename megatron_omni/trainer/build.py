@@ -24,6 +24,7 @@ from megatron_omni.config import config_to_yaml
 from megatron_omni.config.schema import RunConfig
 from megatron_omni.data.tasks import Task
 from megatron_omni.logging import RunLogger
+from megatron_omni.parallel.pipeline import broadcast_from_last_stage
 from megatron_omni.parallel.state import ParallelState, single_rank_group
 from megatron_omni.rewards import AsyncRewardPool, build_reward
 from megatron_omni.rollout.engine import EmbeddedEngine, Trajectory
@@ -61,8 +62,10 @@ class Run:
 
     def run_microbatches(self, microbatches: list, **kwargs):
         """One pass of megatron's schedule over ``microbatches`` with the algorithm's forward step (then the
-        optimizer step unless ``forward_only``): megatron_omni.trainer.policy.run_microbatches."""
-        return run_microbatches(self.policy, self.forward_step, microbatches, **kwargs)
+        optimizer step unless ``forward_only``): megatron_omni.trainer.policy.run_microbatches.  Its per-micro-
+        batch metrics (the last pipeline stage's) on every pipeline rank."""
+        metrics, grad_norm = run_microbatches(self.policy, self.forward_step, microbatches, **kwargs)
+        return broadcast_from_last_stage(metrics, self.policy.state.pp_group), grad_norm
 
     def rollout(self, requests: list) -> tuple[list[Trajectory], torch.Tensor, list]:
         """Trajectories, decoded images and pending reward futures.  Two halves (whole groups each): the first is
@@ -193,8 +196,9 @@ def engine_process(cfg: RunConfig, trainer_world: int, index: int) -> EmbeddedEn
 def _updater(cfg: RunConfig, policy: Policy, engine):
     s = cfg.sync
     kind = InProcessUpdater if s.engine_placement == "in_process" else EngineProcessUpdater
+    pp_group = policy.state.pp_group if kind is InProcessUpdater else None  # (engine processes: TP only today)
     updater = kind(policy.module, policy.state.tp_group, engine, s.resolved_mode(cfg.lora.rank), s.bucket_mb << 20,
-                   s.checksum)
+                   s.checksum, pp_group=pp_group)
     updater.engine_has_base = shares_base(cfg, policy.state)  # the same tensors: nothing to send
     return updater
 
@@ -207,9 +211,25 @@ def _initial_weights(cfg: RunConfig, state: ParallelState):
         elif cfg.model.weights_folder:
             folder = HFFolder(cfg.model.weights_folder)
             module.load_state_dict(mcore_state_from_hf(module.arch, folder.get, state.tp_rank, state.tp), strict=False)
+        elif state.pp > 1:
+            _stage_of_whole_random_init(module, cfg, state)
         if cfg.lora.rank > 0:
             _apply_lora(module, cfg)
     return prepare
+
+
+def _stage_of_whole_random_init(module: torch.nn.Module, cfg: RunConfig, state: ParallelState) -> None:
+    """A pipeline stage at random init takes its tensors from the whole model drawn from the run's seed (blocks
+    keep their global index), so random init is a function of the seed, not of the layout: a run at PP = 2 starts
+    where the run at PP = 1 does.  Holds the whole model (at this TP shard) for a moment."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)  # as build_run seeds the single-stage build
+        whole = cfg.model.family_impl.build(module.arch, module.config, state.tp_group, cfg.model.backend)
+    own = module.state_dict()
+    drawn = {k: v for k, v in whole.state_dict().items() if k in own}
+    if missing := sorted(own.keys() - drawn.keys() - {k for k in own if k.endswith("_extra_state")}):
+        raise RuntimeError(f"pipeline stage tensors {missing[:3]} are not in the whole model's state dict")
+    module.load_state_dict(drawn, strict=False)
 
 
 def reference_policy(cfg: RunConfig, policy: Policy, algorithm):

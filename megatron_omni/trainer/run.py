@@ -18,12 +18,16 @@ def check_task_fits(cfg: RunConfig, task: Task) -> None:
 
 
 def check_loop_layout(cfg: RunConfig) -> None:
-    """The loss, schedules and attention run under PP and CP (tests/qwen_image/test_pp.py,
-    tests/parallel/test_usp.py); the loop's rollout and weight export do not yet."""
+    """The loop runs at DP x TP x CP (Ulysses x ring) x PP: every rank's in-process engine holds the whole model
+    (tests/trainer/test_loop_layouts.py).  Not yet: interleaved PP (vpp), and PP with engine processes."""
     p = cfg.parallel
-    if p.pp > 1 or p.cp > 1:
-        raise ValueError(f"parallel.pp={p.pp}, parallel.cp={p.cp}: the FlowGRPO loop runs at pp=1 and cp=1 today "
-                         f"(its rollout engine and weight export gather TP shards only); expected pp=1 and cp=1")
+    if p.vpp is not None:
+        raise ValueError(f"parallel.vpp={p.vpp}: the RL loop runs non-interleaved pipelines today (its weight export "
+                         f"reads one chunk per stage); expected parallel.vpp=null")
+    if p.pp > 1 and cfg.sync.engine_placement != "in_process":
+        raise ValueError(f"parallel.pp={p.pp} with sync.engine_placement={cfg.sync.engine_placement!r}: engine "
+                         f"processes take their weights from trainer rank 0, which holds one stage; expected "
+                         f"sync.engine_placement=in_process under pipeline parallelism")
 
 
 def check_data_parallel(cfg: RunConfig, dp: int) -> None:
@@ -43,8 +47,8 @@ def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
     from megatron_omni.trainer.loop import train
 
     check_loop_layout(cfg)
-    state = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, seed=cfg.train.seed,
-                          device=cfg.parallel.device)
+    state = init_parallel(tp=cfg.parallel.tp, cp=cfg.parallel.cp, pp=cfg.parallel.pp, vpp=cfg.parallel.vpp,
+                          ulysses=cfg.parallel.ulysses, seed=cfg.train.seed, device=cfg.parallel.device)
     try:
         check_data_parallel(cfg, state.dp)
         task = task_for(cfg, state.torch_device)

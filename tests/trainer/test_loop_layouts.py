@@ -59,10 +59,14 @@ def _close(got: list[dict], want: list[dict]) -> None:
             assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 1}, {"tp": 2}], ids=["dp2", "tp2"])
-def test_loop_at_two_ranks_equals_one_process(single, tmp_path, layout):
-    out = tmp_path / "run"
-    overrides = TINY + [f"parallel.tp={layout['tp']}"]
+LAYOUTS = {"dp2": {"tp": 1}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2_ulysses": {"cp": 2, "ulysses": 2},
+           "cp2_ring": {"cp": 2}}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_loop_at_two_ranks_equals_one_process(single, tmp_path, name):
+    layout, out = LAYOUTS[name], tmp_path / "run"
+    overrides = TINY + [f"parallel.{k}={v}" for k, v in layout.items()]
     ranks = run_distributed(_train, world_size=2, parallel=layout, args=(overrides, out), timeout_s=600)
     assert ranks[0] == ranks[1]  # every rank reports the step's metrics alike
     _close(ranks[0], single)
