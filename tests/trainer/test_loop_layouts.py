@@ -99,3 +99,52 @@ def test_layout_that_does_not_split_is_one_clear_error():
         check_data_parallel(cfg, 4)
     with pytest.raises(ValueError, match="train.global_batch_size=16 pairs per optimizer step over 8"):
         check_data_parallel(load_config("digits_flow_grpo", None, TINY + ["rollout.prompts_per_step=8"]), 8)
+
+
+def _killed(state, overrides, out):
+    """The run killed after its second step (its latest checkpoint: after the first)."""
+    import torch
+
+    from megatron_omni.config import load_config
+    from megatron_omni.data.tasks import build_task
+    from megatron_omni.trainer.loop import train
+
+    torch.set_num_threads(1)
+    train(load_config("digits_flow_grpo", None, overrides), state, build_task("digits"), out, stop_after=2)
+    return (out / "checkpoints" / "latest").read_text().strip()
+
+
+def _resumed(state, overrides, out):
+    import torch
+
+    from megatron_omni.config import load_config
+    from megatron_omni.data.tasks import build_task
+    from megatron_omni.trainer.loop import train
+
+    torch.set_num_threads(1)
+    _, done = train(load_config("digits_flow_grpo", None, overrides), state, build_task("digits"), out, resume=True)
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in done]
+
+
+def test_checkpoint_at_tp2_resumes_at_pp2(tmp_path):
+    """Killed at TP=2 after step 1 (checkpoint after step 0), resumed at TP=1 x PP=2 (dist-checkpointing reshards
+    the model and the optimizer): steps 1 and 2 equal the uninterrupted single-process run's (which the PP=2 and
+    TP=2 runs equal, test above)."""
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+
+    three = [o for o in TINY if not o.startswith(("train.steps", "train.save_every"))] + ["train.steps=3",
+                                                                                          "train.save_every=1"]
+    state = init_parallel(tp=1, seed=0, device="cpu")
+    try:
+        whole = _train(state, three, tmp_path / "whole")
+    finally:
+        destroy_parallel()
+    out = tmp_path / "run"
+    assert run_distributed(_killed, world_size=2, parallel={"tp": 2}, args=(three + ["parallel.tp=2"], out),
+                           timeout_s=600) == ["0", "0"]
+    ranks = run_distributed(_resumed, world_size=2, parallel={"pp": 2}, args=(three + ["parallel.pp=2"], out),
+                            timeout_s=600)
+    assert ranks[0] == ranks[1] and [m["step"] for m in ranks[0]] == [1, 2]
+    for a, b in zip(ranks[0], whole[1:]):
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
