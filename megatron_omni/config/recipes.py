@@ -110,3 +110,25 @@ def qwen_image_edit_flow_grpo() -> RunConfig:
     cfg.train.output_dir = "runs/qwen_image_edit_flow_grpo"
     cfg.data.eval_prompts = 8
     return cfg
+
+
+@register_recipe
+def sd35_flow_grpo() -> RunConfig:
+    """FlowGRPO on an SD3 / SD3.5 pipeline folder (``model.path=DIR``, a StableDiffusion3Pipeline saved by diffusers)
+    with the OCR reward on the packaged visual-text prompts: VeRL-Omni's SD3.5-Medium OCR recipe shape — 512²,
+    10 steps, the CPS sampler at noise 0.8 with its simple log-prob, no CFG, a 3-step window inside the first 5
+    steps (starts 0..2), group 8, clip 1e-5, LoRA r32 / alpha 64 on the joint attention (the family's preset) at
+    lr 3e-4.  The arch and weights come from the folder's transformer/, the shift from its scheduler."""
+    return RunConfig(
+        model=ModelConfig(family="sd3", dtype="bfloat16"),
+        train=TrainConfig(steps=300, lr=3e-4, micro_batch_size=8, global_batch_size=256, save_every=50,
+                          eval_every=10, output_dir="runs/sd35_flow_grpo"),
+        logging=LoggingConfig(wandb_mode="offline", project="megatron-omni"),
+        data=DataConfig(task="pipeline", prompts=None, eval_prompts=16, height=512, width=512),
+        rollout=RolloutConfig(prompts_per_step=32, group_size=8, num_steps=10, sampler="cps", noise_level=0.8,
+                              log_prob_form="simple", window_size=3, window_range=(0, 2), guidance_scale=1.0,
+                              max_num_seqs=32),
+        algorithm=AlgorithmConfig(clip_range=1e-5, logprob_check_samples=16),
+        reward=RewardConfig(name="ocr", judge=None, workers=4),
+        lora=LoRAConfig(rank=32, alpha=64),
+    )
