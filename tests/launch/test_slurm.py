@@ -4,11 +4,12 @@ digits recipe as one run of 2 data-parallel ranks.  Preemption: the batch shell'
 sends N s before the time limit) makes the ranks checkpoint after their step; the job requeues itself and the
 requeued run resumes (`--resume`) to the uninterrupted job's metrics, bit for bit."""
 import re
+import time
 
 import pytest
 
 from megatron_omni.parallel.state import free_port
-from tests.launch.runs import REPO, env, latest_checkpoint, metrics, rendezvous, train_args, wait_for_steps
+from tests.launch.runs import REPO, env, latest_checkpoint, metrics, rendezvous, train_args
 from tests.launch.slurm_cluster import SlurmCluster, ensure_installed
 
 pytestmark = pytest.mark.slow
@@ -38,35 +39,51 @@ def _sbatch(cluster, run_dir):
     return job, out
 
 
+# What --signal=B:USR1@N (or B:TERM@N) sends to the batch shell N s before the time limit.  A TERM to every process
+# of the job (SLURM's preemption, `scancel --full`) reaches srun too, which then cancels the step within ~1 s, before
+# any rank finishes its step (measured): that run resumes from its last periodic checkpoint instead (launch/README.md).
+SIGNALS = ("USR1", "TERM")
+
+
 @pytest.fixture(scope="module")
-def completed(cluster, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("whole") / "run"
-    job, out = _sbatch(cluster, run_dir)
+def jobs(cluster, tmp_path_factory):
+    """The uninterrupted job and one job per preempting signal, submitted at once (the nodes take two at a time);
+    each of the latter gets its signal once its step 0 is logged.  name -> (run dir, job id, output file)."""
+    root = tmp_path_factory.mktemp("jobs")
+    submitted = {name: (root / name, *_sbatch(cluster, root / name)) for name in ("whole", *SIGNALS)}
+    waiting, deadline = set(SIGNALS), time.monotonic() + 400
+    while waiting:
+        for sig in sorted(waiting):
+            run_dir, job, out = submitted[sig]
+            if metrics(run_dir):
+                cluster.cli("scancel", f"--signal={sig}", "--batch", job)
+                waiting.discard(sig)
+            elif cluster.job(job)["JobState"] not in ("PENDING", "RUNNING") or time.monotonic() > deadline:
+                raise AssertionError(f"job {job} ({sig}) logged no step: {cluster.job(job)['JobState']}\n"
+                                     f"{out.read_text()[-3000:] if out.exists() else ''}")
+        time.sleep(0.05)
+    return submitted
+
+
+def _finished(cluster, jobs, name):
+    run_dir, job, out = jobs[name]
     return cluster.wait_job(job, timeout_s=400), run_dir, out.read_text()
 
 
-def test_sbatch_runs_two_tasks_on_two_nodes_to_completion(completed):
-    info, run_dir, log = completed
+def test_sbatch_runs_two_tasks_on_two_nodes_to_completion(cluster, jobs):
+    info, run_dir, log = _finished(cluster, jobs, "whole")
     assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), log[-3000:]
     assert rendezvous(log) == ({"0", "1"}, {"2"}), log[-3000:]  # one world: both agents, ranks 0 and 1
     assert [m["step"] for m in metrics(run_dir)] == list(range(STEPS))
     assert latest_checkpoint(run_dir) == STEPS - 1
 
 
-# what --signal=B:USR1@N (or B:TERM@N) sends to the batch shell N s before the time limit.  A TERM to every process
-# of the job (SLURM's preemption, `scancel --full`) reaches srun too, which then cancels the step within ~1 s, before
-# any rank finishes its step (measured): that run resumes from its last periodic checkpoint instead (launch/README.md).
-@pytest.mark.parametrize("sig", ["USR1", "TERM"])
-def test_preempted_job_requeues_and_resumes_bit_exactly(cluster, completed, tmp_path, sig):
-    run_dir = tmp_path / "run"
-    job, out = _sbatch(cluster, run_dir)
-    wait_for_steps(run_dir, 1, alive=lambda: cluster.job(job)["JobState"] in ("PENDING", "RUNNING"))
-    cluster.cli("scancel", f"--signal={sig}", "--batch", job)
-    info = cluster.wait_job(job, timeout_s=400)
-    log = out.read_text()  # --open-mode=append: both runs of the job
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_preempted_job_requeues_and_resumes_bit_exactly(cluster, jobs, sig):
+    info, run_dir, log = _finished(cluster, jobs, sig)  # --open-mode=append: the log of both runs of the job
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-3000:]
     stopped = re.findall(r"stopped on SIGTERM after step (\d+)", log)
     assert stopped and f"slurm.sbatch: SIG{sig}: requeueing job" in log, log[-3000:]
     assert re.search(r"restart 1 on n\[1-2\].* --resume", log), log[-3000:]
     assert 0 <= int(stopped[0]) < STEPS - 1
-    assert metrics(run_dir) == metrics(completed[1])  # rewards, losses, ratios, grad norms: bit for bit
+    assert metrics(run_dir) == metrics(jobs["whole"][0])  # rewards, losses, ratios, grad norms: bit for bit
