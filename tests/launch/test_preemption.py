@@ -1,13 +1,14 @@
 """SIGUSR1 / SIGTERM to a `megatron-omni train` process (no launcher): the run finishes the step in flight,
 checkpoints it, exits with EXIT_PREEMPTED, and `--resume` continues it to the same metrics, bit for bit, as an
 uninterrupted run (megatron_omni/trainer/preemption.py).  With SLURM: tests/launch/test_slurm.py."""
+import re
 import signal
 import subprocess
 
 import pytest
 
 from megatron_omni.trainer.preemption import EXIT_PREEMPTED
-from tests.launch.runs import REPO, cli, env, latest_checkpoint, metrics, wait_for_steps
+from tests.launch.runs import REPO, cli, env, metrics, wait_for_steps
 
 pytestmark = pytest.mark.slow
 STEPS = 10  # ~0.3 s each: the signal, sent once step 0 is logged, lands well before the last
@@ -33,39 +34,47 @@ def _finish(proc, timeout_s=300) -> tuple[int, str]:
     return rc, open(proc.log.name).read()
 
 
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference run, started at once and waited for on first use (it runs beside the first preempted run)."""
-    run_dir = tmp_path_factory.mktemp("whole") / "run"
-    proc, done = _start(run_dir), []
+def runs(tmp_path_factory):
+    """An uninterrupted run and one run per signal, at once; each of the latter gets its signal once its step 0 is
+    logged, then is resumed with --resume (both at once).  name -> (run dir, [(exit code, output) of each process])."""
+    root = tmp_path_factory.mktemp("runs")
+    dirs = {name: root / name for name in ("whole", *(s.name for s in SIGNALS))}
+    procs, resumed = {name: _start(run_dir) for name, run_dir in dirs.items()}, {}
+    try:
+        for sig in SIGNALS:
+            proc = procs[sig.name]
+            wait_for_steps(dirs[sig.name], 1, alive=lambda: proc.poll() is None)
+            proc.send_signal(sig)
+        done = {name: [_finish(proc)] for name, proc in procs.items()}
+        resumed.update({sig.name: _start(dirs[sig.name], "--resume") for sig in SIGNALS})
+        for name, proc in resumed.items():
+            done[name].append(_finish(proc))
+    finally:
+        for proc in [*procs.values(), *resumed.values()]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {name: (dirs[name], done[name]) for name in dirs}
 
-    def result():
-        if not done:
-            rc, out = _finish(proc)
-            assert rc == 0, out[-3000:]
-            done.append(metrics(run_dir))
-        return done[0]
 
-    yield result
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
-def test_signal_checkpoints_at_the_step_boundary_and_resume_is_bit_exact(tmp_path, uninterrupted, sig):
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir)
-    wait_for_steps(run_dir, 1, alive=lambda: proc.poll() is None)
-    proc.send_signal(sig)
-    rc, out = _finish(proc, timeout_s=120)
-    assert rc == EXIT_PREEMPTED, out[-3000:]
-    logged = metrics(run_dir)
-    # save_every=0: the one checkpoint is the preemption's, of the last step logged (it ran to its end)
-    assert 1 <= len(logged) < STEPS and latest_checkpoint(run_dir) == len(logged) - 1
-    assert f"stopped on {sig.name} after step {len(logged) - 1}" in out
-
-    rc, out = _finish(_start(run_dir, "--resume"))
+def test_uninterrupted_run_completes(runs):
+    run_dir, [(rc, out)] = runs["whole"]
     assert rc == 0, out[-3000:]
     assert [m["step"] for m in metrics(run_dir)] == list(range(STEPS))
-    assert metrics(run_dir) == uninterrupted()  # rewards, losses, ratios, grad norms: bit for bit
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+def test_signal_checkpoints_at_the_step_boundary_and_resume_is_bit_exact(runs, sig):
+    run_dir, [(rc, out), (resumed_rc, resumed_out)] = runs[sig.name]
+    assert rc == EXIT_PREEMPTED, out[-3000:]
+    stopped = re.findall(rf"stopped on {sig.name} after step (\d+)", out)
+    # save_every=0: the one checkpoint is the preemption's, of the step in flight (it ran to its end)
+    assert stopped and 0 <= int(stopped[0]) < STEPS - 1, out[-3000:]
+    assert f"step {int(stopped[0]) + 2}/{STEPS}" not in out  # no step after it began
+    assert resumed_rc == 0, resumed_out[-3000:]
+    assert f"step {int(stopped[0]) + 1}/{STEPS}" not in resumed_out  # it resumed after the checkpointed step
+    assert metrics(run_dir) == metrics(runs["whole"][0])  # rewards, losses, ratios, grad norms: bit for bit
