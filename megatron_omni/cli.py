@@ -76,6 +76,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "checked against the same dataclasses (unknown keys are errors)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit 0")
     p.add_argument("--resume", action="store_true", help="continue from train.output_dir's latest checkpoint")
+    p.add_argument("--estimate-memory", action="store_true",
+                   help="print the per-device memory estimate of the config's layout and exit (2 when it does not "
+                        "fit --device-memory); a run on a GPU checks it before building anything")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="ranks for --estimate-memory (default: tp x cp x pp, one data-parallel replica)")
+    p.add_argument("--device-memory", type=float, metavar="GIB", help="device memory for --estimate-memory, GiB")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted overrides, e.g. parallel.tp=2 model.arch.num_layers=4 train.lr=1e-4")
     p.set_defaults(handler=_train)
@@ -94,6 +100,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config_to_yaml(cfg), end="")
         return 0
+    if args.estimate_memory:
+        return _estimate_memory(cfg, args)
     from megatron_omni.trainer.preemption import EXIT_PREEMPTED, Preempted
     from megatron_omni.trainer.run import run_training
 
@@ -105,6 +113,23 @@ def _train(args: argparse.Namespace) -> int:
     except Preempted as e:  # SIGUSR1 / SIGTERM: checkpointed at a step boundary; the launcher requeues
         print(f"{PROG} train: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    return 0
+
+
+def _estimate_memory(cfg, args: argparse.Namespace) -> int:
+    from megatron_omni.trainer.memory import GIB, check_fits, estimate
+
+    p = cfg.parallel
+    world = args.world_size or p.tp * p.cp * p.pp
+    device = args.device_memory * GIB if args.device_memory else None
+    try:
+        est = estimate(cfg, world)
+        if device:
+            check_fits(est, device)
+    except ValueError as e:
+        _error("train", str(e))
+        return EXIT_USAGE
+    print(est.table(device))
     return 0
 
 

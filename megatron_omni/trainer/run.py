@@ -4,6 +4,7 @@ from __future__ import annotations
 from megatron_omni.config.schema import RunConfig
 from megatron_omni.data.tasks import Task, task_for
 from megatron_omni.parallel.state import destroy_parallel, init_parallel
+from megatron_omni.trainer.memory import check_fits, device_memory, estimate
 
 
 def check_task_fits(cfg: RunConfig, task: Task) -> None:
@@ -51,6 +52,8 @@ def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
                           ulysses=cfg.parallel.ulysses, seed=cfg.train.seed, device=cfg.parallel.device)
     try:
         check_data_parallel(cfg, state.dp)
+        if device_bytes := device_memory(state):  # an accelerator: refuse a layout that cannot fit, before building
+            check_fits(estimate(cfg, state.world_size, state=state), device_bytes)
         task = task_for(cfg, state.torch_device)
         check_task_fits(cfg, task)
         _, done = train(cfg, state, task, cfg.train.output_dir, resume=resume)

@@ -1,0 +1,155 @@
+"""Per-device memory of a run's layout, estimated before anything is built on a device, and a clear refusal when
+it cannot fit.
+
+Counted per device (bytes), for the trainer's TP x CP x PP x DP layout:
+* parameters: the denoiser's, counted on the meta device, in the model dtype; a block's linear weights split
+  over TP, the blocks over PP (the replicated rest: norms, embedders, counted whole);
+* gradients: the trained parameters' fp32 ``main_grad`` (megatron DDP, ``grad_reduce_in_fp32``);
+* optimizer: Adam's two fp32 moments, plus an fp32 master copy when the model is bf16 (the adapters with LoRA);
+* activations: one training micro-batch's, kept for the backward, per block ``s·b·h·(10 + 24/tp)`` bytes in 16-bit
+  (Korthikanti et al.'s transformer-layer count with flash attention: no s² term; doubled in float32), s the
+  rank's share of image + text tokens (/ CP), b the micro-batch rows (x 2 with uncond rows recomputed);
+* engine: the in-process rollout engine's whole-model copy (none when it reads the policy's frozen base: LoRA at
+  TP = PP = CP = 1) plus one block's transient at the rollout batch, ``12·s·b·h`` 16-bit values;
+* trajectories: this replica's samples' latents of every step and, with true CFG reuse, the uncond outputs of
+  the trained steps, float32.
+Not counted: the text encoder and VAE of a pipeline task (their files' size is added when ``model.path`` is a
+local folder), allocator fragmentation and CUDA/NCCL workspaces (the ``headroom`` fraction is kept free for
+them).  An estimate for planning a layout, not a measurement: ``bench/RESULTS.md`` holds measured peaks.  Against
+one: the OCR recipe's step on one H200 at 1 prompt x group 16 peaked at 98.8 GiB allocated (bench/RESULTS.md,
+30d6c35); this estimate gives 73.8 GiB for that shape plus its 13.3 GB text encoder, 86 GiB: it undercounts by ~13 %
+(the rollout's transients and the VAE decode), inside the headroom a refusal leaves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GIB = 1 << 30
+HEADROOM = 0.1  # of the device's memory left for fragmentation, workspaces and what is not counted
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parts: dict[str, float]  # name -> bytes per device
+    layout: str
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def table(self, device_bytes: float | None = None) -> str:
+        lines = [f"memory per device, {self.layout} (estimate: megatron_omni.trainer.memory)"]
+        lines += [f"  {name:<26} {value / GIB:9.2f} GiB" for name, value in self.parts.items()]
+        lines.append(f"  {'total':<26} {self.total / GIB:9.2f} GiB")
+        if device_bytes:
+            usable = device_bytes * (1 - HEADROOM)
+            lines.append(f"  {'device (less headroom)':<26} {usable / GIB:9.2f} GiB of {device_bytes / GIB:.1f}: "
+                         + ("fits" if self.total <= usable else "does NOT fit"))
+        return "\n".join(lines)
+
+
+def _counts(cfg, state=None) -> tuple[int, int, int, int]:
+    """(parameters of the blocks' TP-split linears, of the blocks otherwise, outside the blocks, LoRA adapters) of
+    the denoiser at TP=1, counted on the meta device (under a single-process group when none is up)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel, single_rank_group
+    from model_specs.common.lora import apply_lora
+
+    family, arch = cfg.model.family_impl, cfg.model.arch
+    owned = state is None and not dist.is_initialized()
+    if state is None and not owned and dist.get_world_size() > 1:
+        raise ValueError("memory.estimate on several ranks needs the run's ParallelState (state=)")
+    state = init_parallel(tp=1, seed=0, device="cpu") if owned else state
+    try:
+        config = family.transformer_config(arch, 1, params_dtype=cfg.model.torch_dtype, perform_initialization=False)
+        group = dist.group.WORLD if state is None else single_rank_group(state)  # (a world of one)
+        with torch.device("meta"):
+            model = family.build(arch, config, group, cfg.model.backend)
+            if cfg.lora.rank > 0:
+                apply_lora(model, cfg.lora.rank, cfg.lora.alpha or cfg.lora.rank, cfg.lora_targets,
+                           family.rules(arch), seed=0)
+        named = dict(model.named_parameters())
+        adapters = {n for n in named if n.endswith((".lora_A", ".lora_B"))}
+        blocks = {f"blocks.{n}" for n, _ in model.blocks.named_parameters()}
+        split = {f"blocks.{name}.{leaf}" if name else f"blocks.{leaf}" for name, m in model.blocks.named_modules()
+                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                 for leaf, _ in m.named_parameters(recurse=False)}
+        count = lambda names: sum(named[n].numel() for n in names)  # noqa: E731
+        base = set(named) - adapters
+        return (count(base & split), count((base & blocks) - split), count(base - blocks), count(adapters))
+    finally:
+        if owned:
+            destroy_parallel()
+
+
+def estimate(cfg, world_size: int, image_tokens: int | None = None, text_tokens: int = 128,
+             state=None) -> MemoryEstimate:
+    """The per-device estimate of ``cfg`` on ``world_size`` ranks (see the module docstring); ``image_tokens``:
+    the rows' image tokens (default: the pipeline task's grid at data.height x data.width, 16 pixels a token);
+    ``state``: the run's ParallelState when torch.distributed is up."""
+    from megatron_omni.trainer.build import shares_base
+
+    p, family, arch = cfg.parallel, cfg.model.family_impl, cfg.model.arch
+    dp = p.data_parallel_size(world_size)
+    split, block_rest, outside, adapters = _counts(cfg, state)
+    model_params = split + block_rest + outside
+    per_device = split / (p.tp * p.pp) + block_rest / p.pp + outside
+    dtype_bytes = torch.empty((), dtype=cfg.model.torch_dtype).element_size()
+    trained = adapters / (p.tp * p.pp) if cfg.lora.rank > 0 else per_device
+    full_precision = cfg.model.torch_dtype == torch.float32
+    if image_tokens is None:
+        image_tokens = (cfg.data.height // 16) * (cfg.data.width // 16) if cfg.data.task == "pipeline" else 64
+    hidden = family.num_heads(arch) * getattr(arch, "attention_head_dim", 128)
+    reuse = cfg.algorithm.reuse_rollout_uncond and cfg.rollout.guidance_scale > 1
+    rows = cfg.train.micro_batch_size * (2 if cfg.rollout.guidance_scale > 1 and not reuse else 1)
+    tokens = (image_tokens + text_tokens) / p.cp
+    activations = family.num_blocks(arch) / p.pp * tokens * rows * hidden * (10 + 24 / p.tp)
+    layout = type("Layout", (), {"tp": p.tp, "pp": p.pp, "cp": p.cp})()
+    engine = 0 if shares_base(cfg, layout) else (model_params + adapters) * dtype_bytes
+    engine += 12 * (image_tokens + text_tokens) * cfg.rollout.max_num_seqs * hidden * 2  # one block's transient
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size / dp
+    window = cfg.rollout.window_size or cfg.rollout.num_steps
+    latents = cfg.rollout.num_steps + 1 + (window if reuse else 0)
+    parts = {
+        "parameters": per_device * dtype_bytes,
+        "gradients (fp32 main_grad)": trained * 4,
+        "optimizer (Adam)": trained * (8 if full_precision else 12),
+        "activations (1 micro-batch)": activations * (2 if full_precision else 1),
+        "rollout engine": engine,
+        "trajectories": samples * image_tokens * family.latent_channels(arch) * 4 * latents,
+    }
+    if cfg.data.task == "pipeline" and cfg.model.path and Path(cfg.model.path).is_dir():
+        parts["text encoder + VAE"] = sum(f.stat().st_size for sub in ("text_encoder", "vae")
+                                          for f in (Path(cfg.model.path) / sub).rglob("*.safetensors"))
+    what = (f"TP{p.tp} x CP{p.cp}" + (f" (Ulysses {p.ulysses})" if p.cp > 1 else "") + f" x PP{p.pp} x DP{dp} on "
+            f"{world_size} ranks, {family.name} {model_params / 1e9:.2f} B params"
+            + (f" + LoRA r{cfg.lora.rank} {adapters / 1e6:.0f} M" if adapters else "") + f", {cfg.model.dtype}, "
+            f"micro-batch {cfg.train.micro_batch_size}, {image_tokens} + {text_tokens} tokens")
+    return MemoryEstimate(parts, what)
+
+
+def check_fits(est: MemoryEstimate, device_bytes: float) -> None:
+    """ValueError naming the layout, the estimate and the device when it cannot fit (before the first step)."""
+    usable = device_bytes * (1 - HEADROOM)
+    if est.total > usable:
+        largest = max(est.parts, key=est.parts.get)
+        raise ValueError(f"this layout does not fit the device: an estimated {est.total / GIB:.1f} GiB per device "
+                         f"({largest} {est.parts[largest] / GIB:.1f} GiB the largest part) against "
+                         f"{usable / GIB:.1f} GiB usable of {device_bytes / GIB:.1f} GiB; expected a layout that "
+                         f"splits more (parallel.tp / cp / pp), a smaller train.micro_batch_size or "
+                         f"rollout.max_num_seqs, or LoRA\n{est.table(device_bytes)}")
+
+
+def device_memory(state) -> float | None:
+    """The accelerator's total memory in bytes (None on a CPU)."""
+    if state.torch_device.type == "cuda":
+        return float(torch.cuda.get_device_properties(state.torch_device).total_memory)
+    return None
+
+
+__all__ = ["GIB", "MemoryEstimate", "check_fits", "device_memory", "estimate"]
