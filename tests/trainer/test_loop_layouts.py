@@ -148,3 +148,11 @@ def test_checkpoint_at_tp2_resumes_at_pp2(tmp_path):
     for a, b in zip(ranks[0], whole[1:]):
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
+
+
+def test_loop_at_tp2_pp2_on_four_ranks_equals_one_process(single, tmp_path):
+    out = tmp_path / "run"
+    ranks = run_distributed(_train, world_size=4, parallel={"tp": 2, "pp": 2},
+                            args=(TINY + ["parallel.tp=2", "parallel.pp=2"], out), timeout_s=900)
+    assert all(r == ranks[0] for r in ranks)
+    _close(ranks[0], single)
