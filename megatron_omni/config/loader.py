@@ -28,9 +28,13 @@ def load_config(recipe: Optional[str] = None, yaml_path: Optional[str] = None,
                 overrides: Sequence[str] = ()) -> RunConfig:
     """The validated RunConfig: recipe (or the dataclass defaults), then the YAML file, then the overrides."""
     base = get_recipe(recipe) if recipe is not None else RunConfig()
+    data = _read_yaml(yaml_path) if yaml_path is not None else None
+    family = _family_named(data, overrides)
+    if family is not None and family != base.model.family:  # model.arch is typed by the family: its default first
+        base.model = dataclasses.replace(base.model, family=family, arch=None)
     cfg = OmegaConf.structured(base)
-    if yaml_path is not None:
-        _merge(cfg, _read_yaml(yaml_path), source=f"in {yaml_path}")
+    if data is not None:
+        _merge(cfg, data, source=f"in {yaml_path}")
     for item in overrides:
         key, sep, _ = item.partition("=")
         if not sep or not key.strip():
@@ -42,6 +46,18 @@ def load_config(recipe: Optional[str] = None, yaml_path: Optional[str] = None,
         raise _translate(e, source="", cfg=cfg) from None
     run.validate()
     return run
+
+
+def _family_named(data: Optional[DictConfig], overrides: Sequence[str]) -> Optional[str]:
+    """The ``model.family`` the YAML file or the overrides (the last one wins) set, if a registered one."""
+    from model_specs.family import family_names
+
+    family = OmegaConf.select(data, "model.family", default=None) if data is not None else None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "model.family":
+            family = value.strip()
+    return family if family in family_names() else None  # else the merge names the bad value
 
 
 def config_to_yaml(cfg: RunConfig) -> str:

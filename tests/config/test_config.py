@@ -134,3 +134,16 @@ def test_cross_field_validation(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config("qwen_image_tiny", None, overrides)
     assert str(e.value).startswith(message)
+
+
+def test_a_family_named_in_yaml_or_overrides_types_model_arch(tmp_path):
+    """model.arch is the family's dataclass: naming another family (a checkpoint's run_config.yaml, an override)
+    starts from that family's default arch, so its own keys merge (issue 22: SD3 runs exported / resumed)."""
+    from model_specs.sd3.config import SD3Config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  family: sd3\n  arch:\n    sample_size: 32\n    num_layers: 2\n    dual_attention_layers: [0]\n")
+    cfg = load_config(None, str(path), [])
+    assert isinstance(cfg.model.arch, SD3Config) and (cfg.model.arch.sample_size, cfg.model.arch.num_layers) == (32, 2)
+    cfg = load_config("qwen_image_tiny", None, ["model.family=sd3", "model.arch.num_layers=14"])
+    assert isinstance(cfg.model.arch, SD3Config) and cfg.model.arch.num_layers == 14
