@@ -42,3 +42,39 @@ def test_sd35_recipe_runs_on_a_pipeline_folder(tmp_path, reward):
         assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
     else:  # a reward with signal: the adapters get gradients
         assert all(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in rows)
+
+
+@pytest.mark.numerics
+def test_exported_lora_equals_diffusers_load_lora_weights(tmp_path):
+    """A 1-step SD3 run's checkpoint -> `megatron-omni export` (a diffusers LoRA folder) -> `generate --lora` equals
+    ``StableDiffusion3Pipeline.load_lora_weights`` at the same seed, and `generate --checkpoint` the same image."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+
+    from megatron_omni.data.prompts import PromptDataset
+    from megatron_omni.generate import GenerateOptions, generate
+    from tests.qwen_image_reference import rel_err
+
+    folder, run = build_sd3_pipeline(tmp_path / "sd3", seed=0), tmp_path / "run"
+    assert main(["train", "--recipe", "sd35_flow_grpo", f"model.path={folder}", *TINY, f"train.output_dir={run}",
+                 "train.steps=1", "train.save_every=1", "train.lr=1e-2", "reward.name=jpeg_compressibility"]) == 0
+    assert main(["export", "--quiet", "--checkpoint", str(run), "--out", str(tmp_path / "lora")]) == 0
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+
+    def reference():
+        return pipe("a red cat", height=32, width=48, num_inference_steps=4, guidance_scale=1.0,
+                    generator=torch.Generator().manual_seed(7), output_type="pt").images[0]
+
+    base = reference()
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    ref = reference()
+    options = GenerateOptions(32, 48, 4, 1.0, None, 7, 1, "float32", "cpu")
+    prompts = PromptDataset.from_prompts(["a red cat"])
+    ours = generate(folder, prompts, tmp_path / "g1", options=options, progress=False, keep_images=True,
+                    lora=tmp_path / "lora").images[0]
+    policy = generate(folder, prompts, tmp_path / "g2", options=options, progress=False, keep_images=True,
+                      checkpoint=run).images[0]
+    err, effect = rel_err(ours, ref), rel_err(base, ref)
+    print(f"LoRA image vs diffusers {err:.2e} (the adapters' effect {effect:.2e}); checkpoint {rel_err(policy, ours):.2e}")
+    assert err <= 1e-4 < 10 * 1e-4 <= effect and rel_err(policy, ours) <= 1e-4
