@@ -1,16 +1,18 @@
 """SIGUSR1 / SIGTERM to a `megatron-omni train` process (no launcher): the run finishes the step in flight,
 checkpoints it, exits with EXIT_PREEMPTED, and `--resume` continues it to the same metrics, bit for bit, as an
 uninterrupted run (megatron_omni/trainer/preemption.py).  With SLURM: tests/launch/test_slurm.py."""
+import os
 import re
 import signal
 import subprocess
 
 import pytest
+import torch
 
-from megatron_omni.trainer.preemption import EXIT_PREEMPTED
+from megatron_omni.parallel.testing import run_distributed
+from megatron_omni.trainer.preemption import EXIT_PREEMPTED, StopSignals
 from tests.launch.runs import REPO, cli, env, metrics, wait_for_steps
 
-pytestmark = pytest.mark.slow
 STEPS = 10  # ~0.3 s each: the signal, sent once step 0 is logged, lands well before the last
 
 
@@ -37,6 +39,21 @@ def _finish(proc, timeout_s=300) -> tuple[int, str]:
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
+def _one_rank_signalled(state):
+    signals = StopSignals(torch.device("cpu"))
+    before = signals.requested()
+    if state.rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before the next bytecode: only a flag is set
+    after = signals.requested()
+    signals.close()
+    return before, after, signals.signame, signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step():
+    assert run_distributed(_one_rank_signalled, 2, parallel={}, timeout_s=120) == [
+        (False, True, "a signal on another rank", True), (False, True, "SIGUSR1", True)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """An uninterrupted run and one run per signal, at once; each of the latter gets its signal once its step 0 is
@@ -61,12 +78,14 @@ def runs(tmp_path_factory):
     return {name: (dirs[name], done[name]) for name in dirs}
 
 
+@pytest.mark.slow
 def test_uninterrupted_run_completes(runs):
     run_dir, [(rc, out)] = runs["whole"]
     assert rc == 0, out[-3000:]
     assert [m["step"] for m in metrics(run_dir)] == list(range(STEPS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
 def test_signal_checkpoints_at_the_step_boundary_and_resume_is_bit_exact(runs, sig):
     run_dir, [(rc, out), (resumed_rc, resumed_out)] = runs[sig.name]
