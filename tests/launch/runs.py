@@ -32,7 +32,8 @@ def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    lines = [line for line in path.read_text().split("\n")[:-1] if line.strip()]  # complete lines: it may be written now
+    # complete lines only: the run may be writing the next one
+    lines = [line for line in path.read_text().split("\n")[:-1] if line.strip()]
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
 
 

@@ -2,8 +2,8 @@
 Debian's build has MULTIPLE_SLURMD), all children of the test process, in a scratch folder.  Measured on Debian 12's
 SLURM 22.05.8: the daemons start in ~2 s; foreground (-D) children, since PID 1 reaps no daemon; cred_expire=5 makes a
 requeued job start again ~7 s later (the default, 120 s).
-Protocol: install (apt-get, root) → write conf → start munged → slurmctld → slurmd × 2 → nodes idle → ... → cancel
-jobs → stop slurmd, slurmctld, munged."""
+Protocol: install (apt-get, root) → write conf → munged → slurmctld → slurmd × 2 → nodes idle → ... → cancel jobs →
+stop slurmd, slurmctld, munged."""
 from __future__ import annotations
 
 import os
