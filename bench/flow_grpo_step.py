@@ -6,6 +6,7 @@ at one GPU's share of its shape, timed as the product runs it, beside the diffus
                                    [--compile-train default] [--reward NAME] [--no-reuse-uncond]
                                    [--skip-reference] [--profile]
     python bench/flow_grpo_step.py --smoke      # tiny folder on the CPU: checks the script runs; times mean nothing
+    torchrun --nproc-per-node 2 bench/flow_grpo_step.py --smoke --pp 2   # the loop at a layout (gloo on the CPU)
 
 Ours is the product: the run config is the ``qwen_image_flow_grpo`` recipe (megatron_omni.config.load_config) with
 this bench's shape as overrides -- prompts_per_step 1 x group 16 (16 images), 512x512, 10 steps, true CFG 4, an
@@ -136,6 +137,8 @@ def run_config(args, folder: Path, run_dir: Path, reward: str, steps: int):
                  f"train.global_batch_size={args.prompts * args.group * WINDOW}",  # one optimizer step per RL step
                  f"train.steps={steps}", "train.eval_every=0", "train.save_every=0", f"train.output_dir={run_dir}",
                  "logging.wandb_mode=disabled", f"reward.name={reward}"]
+    overrides += [f"parallel.tp={args.tp}", f"parallel.cp={args.cp}", f"parallel.ulysses={args.ulysses}",
+                  f"parallel.pp={args.pp}"]
     if args.smoke:
         overrides += ["model.dtype=float32", "parallel.device=cpu", "data.eval_prompts=4"]
     if args.random_transformer and not args.smoke:
@@ -175,7 +178,8 @@ def run_ours(cfg, steps: int, warmup: int, profile: bool) -> tuple[LoopResult, d
     result = LoopResult("ours: megatron-omni train's rl_step" + (f" (compiled {compiled})" if compiled else " (eager)")
                         + ("" if reuse else ", uncond recomputed"))
     check_loop_layout(cfg)
-    state = init_parallel(tp=cfg.parallel.tp, seed=cfg.train.seed, device=cfg.parallel.device)
+    q = cfg.parallel
+    state = init_parallel(tp=q.tp, cp=q.cp, pp=q.pp, ulysses=q.ulysses, seed=cfg.train.seed, device=q.device)
     run, shape, device = None, {}, state.torch_device
     try:
         start = time.perf_counter()
@@ -370,6 +374,10 @@ def main(argv=None) -> None:
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
     p.add_argument("--profile", action="store_true", help="after ours' timed steps, list where a step's host waits")
     p.add_argument("--smoke", action="store_true", help="tiny folder on the CPU: checks the script")
+    for flag, what in (("--tp", "tensor"), ("--cp", "context (Ulysses x ring)"), ("--ulysses", "Ulysses (inside cp)"),
+                       ("--pp", "pipeline")):
+        p.add_argument(flag, type=int, default=1, help=f"{what}-parallel size (parallel.{flag[2:]}); launch "
+                                                       f"tp x cp x pp x dp ranks with torchrun")
     args = p.parse_args(argv)
     args.group = args.group or (SMOKE_GROUP if args.smoke else 16)
     if args.warmup is None:
@@ -382,6 +390,10 @@ def main(argv=None) -> None:
     if not args.smoke and not torch.cuda.is_available():
         p.error("no CUDA device; the full-size run needs one (use --smoke on a CPU)")
     steps = min(args.steps, 2) if args.smoke else args.steps
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1 and not (args.model or args.smoke):
+        p.error(f"under torchrun ({world} ranks) give --model DIR (a folder every rank reads: write one first with "
+                f"--build-dir on one GPU) or --smoke; each rank would write its own random folder")
     scratch = Path(tempfile.mkdtemp(prefix="flow_grpo_step_"))
     try:
         folder, about = pipeline_folder(args, scratch)
@@ -390,13 +402,18 @@ def main(argv=None) -> None:
         notes = [f"model.path: {about}"] + ([reward_note] if reward_note else [])
         ours, shape = run_ours(cfg, steps, args.warmup, args.profile)
         results = [ours]
-        if not args.skip_reference and shape:
+        if world > 1:
+            notes.append(f"{world} ranks (torchrun): tp {args.tp} x cp {args.cp} x pp {args.pp} x dp "
+                         f"{world // (args.tp * args.cp * args.pp)}; the loop's metrics, alike on every rank; no "
+                         f"reference (a one-device loop)")
+        if not args.skip_reference and shape and world == 1:
             recipe = make_recipe(args.smoke, group=args.group, prompts=args.prompts, **shape)
             results.append(run_reference(recipe, steps))
             notes.append(f"reference: the same transformer config (random init, normal 0.02), random text "
                          f"embeddings of {recipe.text_tokens} prompt / {recipe.uncond_tokens} negative tokens (ours' "
                          f"lengths), a static shift; training recomputes the uncond rows under no_grad")
-        print_table(cfg, results, steps, notes, args.smoke)
+        if rank == 0:
+            print_table(cfg, results, steps, notes, args.smoke)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

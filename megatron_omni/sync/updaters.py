@@ -55,12 +55,11 @@ class InProcessUpdater(_Updater):
         if self.pp_group is None or dist.get_world_size(self.pp_group) == 1:
             engine_side.load(self.engine, exporter.mode, exporter.tensors())
             return {"tensors": len(exporter.plan())}
-        count = 0
-        for stage in range(dist.get_world_size(self.pp_group)):
-            pairs = stage_tensors(exporter, self.pp_group, stage)
-            engine_side.load(self.engine, exporter.mode, pairs)
-            count += len(pairs)
-        return {"tensors": count}
+        # one load of every stage's tensors: LoRA's commit takes the whole adapter set at once
+        pairs = [pair for stage in range(dist.get_world_size(self.pp_group))
+                 for pair in stage_tensors(exporter, self.pp_group, stage)]
+        engine_side.load(self.engine, exporter.mode, pairs)
+        return {"tensors": len(pairs)}
 
 
 def stage_tensors(exporter: HFExporter, pp_group, stage: int) -> list[tuple[str, torch.Tensor]]:

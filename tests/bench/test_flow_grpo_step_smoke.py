@@ -36,3 +36,17 @@ def test_smoke_prints_the_table():
     line = re.search(r"^reference \(diffusers \+ peft\), last step: 8 trained pairs, ratio_mean 1, rms_log_ratio "
                      r"(\S+),", text, re.M)
     assert line and float(line.group(1)) < 1e-6, text[-3000:]
+
+
+def test_smoke_under_torchrun_at_pp2_prints_one_table():
+    """The bench drives the loop at a layout: 2 ranks (torchrun, gloo on the CPU), PP = 2; one table (rank 0)."""
+    from megatron_omni.parallel.state import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(ROOT / "bench" / "flow_grpo_step.py"), "--smoke", "--steps", "1", "--pp", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("FlowGRPO step of qwen_image_flow_grpo") == 1, out.stdout[-3000:]
+    assert "2 ranks (torchrun): tp 1 x cp 1 x pp 2 x dp 1" in out.stdout
+    line = re.search(r"last step \(the loop's metrics\): logprob_abs_diff (\S+),", out.stdout)
+    assert line and float(line.group(1)) < 1e-6, out.stdout[-3000:]
