@@ -6,14 +6,14 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.algorithms.diffusion_nft import (ALGORITHM as NFT, NFTLossConfig, diffusion_nft_loss,
                                                     nft_microbatches, training_rows)
 from megatron_omni.config import ConfigError, load_config
 from megatron_omni.parallel import cuda_factories_on_cpu
 from megatron_omni.rollout.engine import Request, Trajectory
-from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, disable_adapters
-from tests.qwen_image_reference import diffusers_reference, megatron_from_reference, rel_err, tiny_config
+from model_specs.common.lora import disable_adapters
+from tests.algorithms.models import lora_model
+from tests.qwen_image_reference import rel_err, tiny_config
 
 pytestmark = pytest.mark.numerics
 BETA, A_MAX = 0.5, 2.0
@@ -81,12 +81,7 @@ def test_training_rows_from_the_schedule():
 
 def test_loss_in_forward_backward_matches_plain_autograd(single_rank):
     arch = tiny_config()
-    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group, dtype=torch.float64)
-    apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("lora_B"):
-                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    model = lora_model(arch, single_rank.tp_group)
     g = torch.Generator().manual_seed(4)
     trajs = [Trajectory(Request(prompt=f"p{i % 2}", seed=i, img_fhw=(1, 4, 4)),
                         torch.randn(5, 16, arch.in_channels, generator=g, dtype=torch.float64), torch.linspace(1, 0, 5),

@@ -21,6 +21,7 @@ from megatron_omni.algorithms.flow_grpo.step import (
 )
 from megatron_omni.parallel import cuda_factories_on_cpu
 from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, disable_adapters
+from tests.algorithms.models import lora_model
 from tests.qwen_image_reference import diffusers_reference, megatron_from_reference, rel_err, tiny_config
 
 FHW = (1, 4, 4)
@@ -110,12 +111,7 @@ def _compare(model, mbs, cfg, reference=None):
 @pytest.mark.parametrize("kl_form", ["flow_grpo", "exact"])
 def test_lora_with_cfg_and_kl_matches_plain_autograd(single_rank, kl_form):
     arch = tiny_config()
-    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group, dtype=torch.float64)
-    apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("lora_B"):
-                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    model = lora_model(arch, single_rank.tp_group)
     mbs = _micro_batches(model, arch, dtype=torch.float64)
     cfg = FlowGRPOLossConfig(clip_range=1e-4, kl_beta=0.3, kl_form=kl_form)
     errs, metrics, losses, ratios = _compare(model, mbs, cfg, reference=disable_adapters)

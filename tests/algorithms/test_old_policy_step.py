@@ -8,13 +8,13 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from checkpoints_convert.qwen_image import qwen_image_rules
 from megatron_omni.algorithms.flow_grpo.step import guided_velocity, model_output, step_mean
 from megatron_omni.algorithms.old_policy import OldMeanMicroBatch
 from megatron_omni.algorithms.registry import get_algorithm
 from megatron_omni.parallel import cuda_factories_on_cpu
 from megatron_omni.rollout.samplers import gaussian_log_prob
-from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, disable_adapters
+from model_specs.common.lora import disable_adapters
+from tests.algorithms.models import lora_model
 from tests.qwen_image_reference import diffusers_reference, megatron_from_reference, rel_err, tiny_config
 
 pytestmark = pytest.mark.numerics
@@ -120,12 +120,7 @@ def test_full_model_float32_matches_plain_autograd(single_rank, name):
 @pytest.mark.parametrize("name", ["grpo_guard", "flow_dppo"])
 def test_lora_with_kl_matches_plain_autograd(single_rank, name):
     arch = tiny_config()
-    model = megatron_from_reference(diffusers_reference(arch), arch, single_rank.tp_group, dtype=torch.float64)
-    apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("lora_B"):
-                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(len(pname)))
+    model = lora_model(arch, single_rank.tp_group)
     _check(model, arch, name, torch.float64, ["algorithm.kl_beta=0.3"])
 
 
