@@ -53,7 +53,10 @@ def dpo_microbatches(trajs: list[Trajectory], winners: list[int], losers: list[i
         device = rows[0].latents.device
         eps, t = eps.to(device), t.view(-1).to(device)
         x0 = torch.stack([r.final_sample.float() for r in rows])
-        (txt, mask), = _text_rows(rows, text, False, text_pad_multiple, device)
+        (txt, mask, extras), = _text_rows(rows, text, False, text_pad_multiple, device)
+        if extras:  # (a family's per-prompt conditioning beside the text, e.g. SD3's pooled embedding)
+            raise ValueError(f"diffusion_dpo: text extras {sorted(extras)} are not carried by its micro-batches yet; "
+                             f"expected a family without them (Qwen-Image)")
         out.append(DPOMicroBatch(x_t=noised(x0, eps, t), target=eps - x0, t=t,
                                  txt=txt, txt_mask=mask, img_fhw=rows[0].request.img_fhw))
     return out

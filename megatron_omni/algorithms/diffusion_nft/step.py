@@ -63,7 +63,10 @@ def nft_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text, 
         x0 = torch.stack([s.final_sample.float() for s in samples])
         eps = torch.stack([e for _, _, e in chunk]).to(device)
         t = torch.tensor([t for _, t, _ in chunk], device=device)
-        (txt, mask), = _text_rows(samples, text, False, text_pad_multiple, device)
+        (txt, mask, extras), = _text_rows(samples, text, False, text_pad_multiple, device)
+        if extras:  # (a family's per-prompt conditioning beside the text, e.g. SD3's pooled embedding)
+            raise ValueError(f"diffusion_nft: text extras {sorted(extras)} are not carried by its micro-batches yet; "
+                             f"expected a family without them (Qwen-Image)")
         out.append(NFTMicroBatch(x_t=noised(x0, eps, t), x0=x0, t=t, txt=txt, txt_mask=mask,
                                  advantage=advantages_N[[i for i, _, _ in chunk]].to(device),
                                  img_fhw=samples[0].request.img_fhw))
