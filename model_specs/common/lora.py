@@ -41,6 +41,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region,
@@ -147,6 +148,12 @@ class LoRALinear(torch.nn.Module):
         self.lora_A = torch.nn.Parameter(a_PRI.to(device=base.weight.device, dtype=dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(len(target.hf), rows, rank, device=base.weight.device,
                                                      dtype=dtype))
+        # megatron's TP attributes on the split matrix (B of a column-parallel base, A of a row-parallel one): its
+        # grad norm counts a tensor without them on TP rank 0 only, as a replica (the others' shards were missed)
+        if self.kind == COLUMN:
+            set_tensor_model_parallel_attributes(self.lora_B, True, 1, 1)
+        elif self.kind == ROW:
+            set_tensor_model_parallel_attributes(self.lora_A, True, 2, 1)
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs):
