@@ -36,7 +36,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
-	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m numerics $(PYTEST_ARGS)
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "numerics and not slow" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory check-wheel
 
 # The wheel as a user installs it: built, installed (not editable) into a fresh venv beside .venv's pinned

@@ -22,6 +22,7 @@ def folder(tmp_path_factory):
 
 
 @pytest.mark.numerics
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_two_steps_on_a_pipeline_folder(folder, tmp_path, name):
     out = tmp_path / name

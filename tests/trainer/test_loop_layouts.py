@@ -17,7 +17,7 @@ import pytest
 
 from megatron_omni.parallel.testing import run_distributed
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.slow]  # slow: not rerun under avx2 (make test)
 
 TINY = ["train.steps=2", "train.save_every=0", "train.micro_batch_size=4", "train.global_batch_size=16",
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.num_steps=4", "rollout.window_size=2",
