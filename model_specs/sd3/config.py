@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
+
+from model_specs.common.transformer_config import dit_transformer_config
 
 DIFFUSERS_CLASS = "SD3Transformer2DModel"
 QK_NORMS = (None, "rms_norm")  # SD3.0: none; SD3.5: per-head RMSNorm with a weight
@@ -101,34 +102,12 @@ class SD3Config:
         """The megatron-core ``TransformerConfig`` the block specs are built with (as Qwen-Image's:
         ``use_cpu_initialization`` draws every full weight from one seeded generator, so a random-init model is
         the same at any TP size)."""
-        from megatron.core.transformer import TransformerConfig
-
         self.validate(tp)
-        kwargs = dict(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            kv_channels=self.attention_head_dim,
-            ffn_hidden_size=self.ffn_hidden_size,
-            tensor_model_parallel_size=tp,
-            add_bias_linear=True,
-            # q / k norm weights are shared by all heads but a TP rank sees only its heads: with this flag
-            # finalize_model_grads sums the grads of params named "*q_layernorm*" / "*k_layernorm*" over TP
-            qk_layernorm=self.qk_norm is not None,
-            activation_func=partial(torch.nn.functional.gelu, approximate="tanh"),
-            gated_linear_unit=False,
-            bias_activation_fusion=False,  # True routes through torch.compile (slow first step on CPU)
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
-            params_dtype=params_dtype,
-            bf16=params_dtype == torch.bfloat16,
-            fp16=params_dtype == torch.float16,
-            use_cpu_initialization=use_cpu_initialization,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-        )
-        kwargs.update(overrides)
-        return TransformerConfig(**kwargs)
+        return dit_transformer_config(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                                      num_attention_heads=self.num_attention_heads, kv_channels=self.attention_head_dim,
+                                      ffn_hidden_size=self.ffn_hidden_size, tp=tp, qk_layernorm=self.qk_norm is not None,
+                                      params_dtype=params_dtype, use_cpu_initialization=use_cpu_initialization,
+                                      **overrides)
 
 
 def sd35_medium(**overrides: Any) -> SD3Config:
