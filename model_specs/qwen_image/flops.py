@@ -9,6 +9,7 @@ LoRA adapters (``lora_forward_flops``): a rank-r adapter on a K -> N linear cost
 """
 from __future__ import annotations
 
+from model_specs.common.flops import lora_linears_flops
 from model_specs.qwen_image.conditioning import TIME_PROJ_DIM
 from model_specs.qwen_image.config import QwenImageConfig
 
@@ -44,17 +45,6 @@ def _linears(arch: QwenImageConfig) -> dict[str, tuple[int, int, str]]:
 
 def lora_forward_flops(arch: QwenImageConfig, rank: int, targets, batch: int, image_tokens: int,
                        text_tokens: int) -> float:
-    """FLOPs of the LoRA adapters in one forward over ``batch`` rows: every linear that ``targets`` selects
-    (peft's rule: the name equals a target or ends with ``"." + target``); ValueError for a target that names
-    no linear (its FLOPs would go uncounted)."""
-    linears = _linears(arch)
-    tokens = {"image": image_tokens, "text": text_tokens, "sample": 1}
-
-    def selects(name: str, target: str) -> bool:
-        return name == target or name.endswith("." + target)
-
-    if unknown := [t for t in targets if not any(selects(n, t) for n in linears)]:
-        raise ValueError(f"LoRA targets {unknown} name no Qwen-Image linear; expected diffusers module names such as "
-                         f"'to_q', 'img_mlp.net.2' or 'proj_out'")
-    chosen = [dims for name, dims in linears.items() if any(selects(name, t) for t in targets)]
-    return float(batch) * sum(2 * rank * (k + n) * tokens[stream] for k, n, stream in chosen)
+    """FLOPs of the LoRA adapters in one forward over ``batch`` rows (``model_specs.common.flops``)."""
+    return lora_linears_flops(_linears(arch), "Qwen-Image", "'to_q', 'img_mlp.net.2' or 'proj_out'", rank, targets, batch, image_tokens,
+                              text_tokens)

@@ -11,6 +11,7 @@ stream.
 """
 from __future__ import annotations
 
+from model_specs.common.flops import lora_linears_flops
 from model_specs.sd3.conditioning import TIME_PROJ_DIM
 from model_specs.sd3.config import SD3Config
 
@@ -57,17 +58,6 @@ def forward_flops(arch: SD3Config, batch: int, image_tokens: int, text_tokens: i
 
 def lora_forward_flops(arch: SD3Config, rank: int, targets, batch: int, image_tokens: int,
                        text_tokens: int) -> float:
-    """FLOPs of the LoRA adapters in one forward over ``batch`` rows: every linear that ``targets`` selects
-    (peft's rule: the name equals a target or ends with ``"." + target``); ValueError for a target that names
-    no linear (its FLOPs would go uncounted)."""
-    linears = _linears(arch)
-    tokens = {"image": image_tokens, "text": text_tokens, "sample": 1}
-
-    def selects(name: str, target: str) -> bool:
-        return name == target or name.endswith("." + target)
-
-    if unknown := [t for t in targets if not any(selects(n, t) for n in linears)]:
-        raise ValueError(f"LoRA targets {unknown} name no SD3 linear; expected diffusers module names such as "
-                         f"'attn.to_q', 'attn.add_k_proj' or 'ff.net.2'")
-    chosen = [dims for name, dims in linears.items() if any(selects(name, t) for t in targets)]
-    return float(batch) * sum(2 * rank * (k + n) * tokens[stream] for k, n, stream in chosen)
+    """FLOPs of the LoRA adapters in one forward over ``batch`` rows (``model_specs.common.flops``)."""
+    return lora_linears_flops(_linears(arch), "SD3", "'attn.to_q', 'attn.add_k_proj' or 'ff.net.2'", rank, targets, batch, image_tokens,
+                              text_tokens)
