@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
+from megatron_omni.data.prompts import ocr_prompts_path
 from megatron_omni.rewards import build_reward
 from megatron_omni.rewards.ocr import find_tessdata, ocr_score, ocr_target
 
-PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "ocr_prompts" / "prompts.txt"
+# the packaged copy of Flow-GRPO's OCR set (tests/data/test_prompts.py: byte-equal to ../shared/data's)
+PROMPTS = ocr_prompts_path()
 FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
 FONT_PX = 64
 
@@ -35,8 +37,7 @@ def ocr():
 @pytest.fixture(scope="module")
 def prompts():
     """Every 50th prompt of Flow-GRPO's OCR test set (21 of 1,017): short to long texts, digits, punctuation."""
-    # the shared prompt set lies beside every checkout (and CI's clone): its absence is a failure, not a skip
-    assert PROMPTS.is_file(), f"{PROMPTS} is missing: expected the shared OCR prompt set beside the checkout"
+    assert PROMPTS.is_file(), f"{PROMPTS} is missing: expected the packaged OCR prompt set"
     return PROMPTS.read_text(encoding="utf-8").splitlines()[::50]
 
 
