@@ -149,7 +149,9 @@ def run_config(args, folder: Path, run_dir: Path, reward: str, steps: int):
         overrides.append(f"train.compile={args.compile_train}")
     if args.no_reuse_uncond:
         overrides.append("algorithm.reuse_rollout_uncond=false")
-    return load_config(RECIPE, None, overrides)
+    if args.fp8:
+        overrides.append("rollout.fp8=true")
+    return load_config(RECIPE, None, overrides + list(args.set))
 
 
 # ---- the loops -------------------------------------------------------------------------------------------
@@ -312,7 +314,8 @@ def print_table(cfg, results: list[LoopResult], steps: int, notes: list[str], sm
     table = Table(title=f"FlowGRPO step of {RECIPE}, {size}, {device}: {n} images ({r.prompts_per_step} prompt(s) x "
                         f"group {r.group_size}), {cfg.data.height}x{cfg.data.width}, {r.num_steps} steps, true CFG "
                         f"{r.guidance_scale:g}, window {r.window_size}, LoRA r{cfg.lora.rank}, micro-batch "
-                        f"{cfg.train.micro_batch_size}; median of {steps} steps")
+                        f"{cfg.train.micro_batch_size}, rollout GEMMs {'FP8' if r.fp8 else cfg.model.dtype}; median of "
+                        f"{steps} steps")
     for col in ("loop", "phase", "s / step", "TFLOP / step", "TFLOP/s", "MFU", "images/s"):
         table.add_column(col, justify="left" if col in ("loop", "phase") else "right")
     dit = {}
@@ -371,6 +374,10 @@ def main(argv=None) -> None:
     p.add_argument("--reward", metavar="NAME", help="reward.name (default: the recipe's, ocr)")
     p.add_argument("--no-reuse-uncond", action="store_true",
                    help="algorithm.reuse_rollout_uncond=false: training recomputes the uncond rows")
+    p.add_argument("--fp8", action="store_true",
+                   help="rollout.fp8: the rollout engine's GEMMs in FP8 (training bf16, the trainer's own pi_old)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more override of the run config (repeatable), e.g. --set rollout.fuse=false")
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
     p.add_argument("--profile", action="store_true", help="after ours' timed steps, list where a step's host waits")
     p.add_argument("--smoke", action="store_true", help="tiny folder on the CPU: checks the script")

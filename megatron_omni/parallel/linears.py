@@ -8,17 +8,27 @@ there (measured on an H200: 19 graph breaks compiling the rollout forward, 26 co
 element-wise work on either side of each break stays unfused.  The row-parallel matmul needs no group
 (no sequence parallelism, no input-gradient all-reduce: the output all-reduce happens after it), so passing
 the layer's own group changes nothing but that.
+
+Both also take the FP8 rollout path (``model_specs.common.fp8.FP8Linear``: their matmul in float8 e4m3 once the
+rollout engine switches it on, without autograd only).
 """
 from __future__ import annotations
 
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear as _MegatronColumnParallelLinear
 from megatron.core.tensor_parallel import RowParallelLinear as _MegatronRowParallelLinear
+
+from model_specs.common.fp8 import FP8Linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
-class RowParallelLinear(_MegatronRowParallelLinear):
-    """megatron-core's ``RowParallelLinear`` that passes its TP group down (see the module docstring)."""
+class ColumnParallelLinear(FP8Linear, _MegatronColumnParallelLinear):
+    """megatron-core's ``ColumnParallelLinear`` with the FP8 rollout path."""
+
+
+class RowParallelLinear(FP8Linear, _MegatronRowParallelLinear):
+    """megatron-core's ``RowParallelLinear`` that passes its TP group down (see the module docstring), with the
+    FP8 rollout path."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         kwargs["tp_group"] = self.tp_group

@@ -18,6 +18,10 @@ class EngineConfig:
     # into that GEMM), q / k norm + RoPE + joint layout in one kernel; modules that cannot fuse keep their path;
     # false = the model's plain forward (the trainer's math, op for op)
     fuse: bool = True
+    # the per-token GEMMs in float8 e4m3 with per-row scales (model_specs.common.fp8: torch._scaled_mm on an sm89+
+    # GPU, a float32 emulation of it elsewhere); training stays in the model dtype and recomputes pi_old itself
+    # (the rollout's log-probs are then logged against the trainer's, not trained on)
+    fp8: bool = False
 
     def check_engine(self) -> None:
         """Raise ValueError naming the engine setting that cannot work."""

@@ -29,6 +29,7 @@ from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.config import EngineConfig
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
+from model_specs.common.fp8 import check_fp8_device, drop_fp8, enable_fp8, refresh_fp8
 from model_specs.common.fusion import fuse_inference, refresh_fused
 from model_specs.common.lora import base_tensors
 from model_specs.family import ModelFamily, TextExtras, family_of, split_encoding, stack_extras
@@ -241,10 +242,13 @@ class EmbeddedEngine:
         self.channels, self.text_dim = self.family.latent_channels(arch), self.family.text_dim(arch)
         self.model, self.arch, self.encode_prompts = model.eval(), arch, encode_prompts
         self.initial_noise = initial_noise
-        self.fused = fuse_inference(model) if self.config.fuse else 0
-        self.tp_rank, self.tp_size = tp_rank, tp_size
         first = next(model.parameters())
         self._device, self._dtype = first.device, first.dtype
+        if self.config.fp8:
+            check_fp8_device(self._device)
+        self.fp8 = enable_fp8(model) if self.config.fp8 else 0  # (before the fusions: an epilogue yields to FP8)
+        self.fused = fuse_inference(model) if self.config.fuse else 0
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self._prompt_cache: dict[str, tuple[torch.Tensor, TextExtras]] = {}  # prompt -> (real tokens [T, E], extras)
         self._run_lock = threading.Lock()  # one batch (or weight load) at a time
         self._cv = threading.Condition()  # guards the submit() queue below
@@ -377,6 +381,8 @@ class EmbeddedEngine:
             if self._incomplete:
                 raise RuntimeError(f"the engine's weights are incomplete: {self._incomplete}; it generates again "
                                    f"after a weight load of the whole model succeeds")
+            if self.fp8:
+                refresh_fp8(self.model)  # re-quantizes only weights that changed since the last batch
             if self.fused:
                 refresh_fused(self.model)  # the weights may have changed since the last batch
             sigmas_N1 = sigmas(r0.num_steps, r0.shift) if r0.sigmas is None else \
@@ -503,6 +509,7 @@ class EmbeddedEngine:
             if self._device.type == "cpu" or self._asleep:
                 return
             self.model.to("cpu")
+            drop_fp8(self.model)  # (re-quantized at the next batch)
             getattr(torch, self._device.type).empty_cache()
             self._asleep = True
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
+from model_specs.common.fp8 import uses_fp8
 from model_specs.common.fusion import local_column
 from model_specs.common.lora import COLUMN, LoRALinear
 
@@ -78,6 +79,8 @@ class GeluMLP(MLP):
         if not local_column(base):
             return (f"fc1 is a {type(base).__name__}; expected megatron-core's local column-parallel linear with a "
                     f"bias, without sequence parallelism or output gather")
+        if uses_fp8(base):
+            return "fc1 runs its GEMM in FP8 (rollout.fp8): no bf16 epilogue to fuse GELU into"
         if isinstance(fc1, LoRALinear) and (fc1.kind != COLUMN or fc1.lora_A.shape[0] != 1):
             return f"fc1's LoRA adapter has {fc1.lora_A.shape[0]} parts ({fc1.kind}); expected one, column-parallel"
         return ""

@@ -7,6 +7,8 @@ reads them instead of running the uncond rows (an exact saving); later optimizer
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from megatron_omni.algorithms.advantages import GroupAdvantages, group_advantages
@@ -117,7 +119,10 @@ class FlowGRPO(Algorithm):
         mbs = self.train_microbatches(run, trajs, advantages, text)
         per_opt_step = self.micro_batches_per_step(run)
         metrics, norms = [], []
-        for batch in self.optimizer_steps(mbs, per_opt_step):
+        steps = self.optimizer_steps(mbs, per_opt_step)
+        if self.trainer_old_policy(run.cfg):
+            steps = self.recompute_old_log_probs(run, steps)
+        for batch in steps:
             out, grad_norm = run.run_microbatches(batch)
             metrics += out
             norms.append(float(grad_norm))
@@ -134,6 +139,24 @@ class FlowGRPO(Algorithm):
             summary.update(logprob_agreement(torch.cat(log_probs)[:checked],
                                              torch.cat([mb.old_log_prob for mb in mbs])[:checked]))
         return summary
+
+    def trainer_old_policy(self, cfg) -> bool:
+        """Whether π_old is the trainer's recomputation rather than the rollout's log-probs: an FP8 rollout
+        (``rollout.fp8``) samples with other GEMMs than the bf16 trainer, so its log-probs are logged against the
+        trainer's (the check) and not trained on."""
+        return bool(cfg.rollout.fp8)
+
+    def recompute_old_log_probs(self, run, steps: list[list]) -> list[list]:
+        """The optimizer steps with π_old from the trainer at the rollout's weights: the first step's micro-batches
+        take their own forward's log-prob (``old_from_forward``: no extra pass, first ratio exactly 1); a later
+        step's are scored by a forward-only pass before any update, with the uncond rows that step runs itself."""
+        later = [mb for batch in steps[1:] for mb in batch]
+        scored = iter([])
+        if later:
+            out, _ = run.run_microbatches(later, forward_only=True, collect_non_loss_data=True)
+            scored = iter([o[LOG_PROB] for o in out])
+        return [[replace(mb, old_from_forward=True) for mb in steps[0]]] + [
+            [replace(mb, old_log_prob=next(scored).to(mb.old_log_prob.device)) for mb in batch] for batch in steps[1:]]
 
     def train_microbatches(self, run, trajs: list[Trajectory], advantages: GroupAdvantages, text) -> list:
         """The micro-batches ``train`` runs (a subclass adds what its loss needs, e.g. the old policy's means)."""

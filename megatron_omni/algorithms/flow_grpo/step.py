@@ -45,7 +45,7 @@ are for PP = 1; under PP > 1 precompute the reference means in a forward-only pa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, ContextManager, Iterator
 
@@ -100,6 +100,10 @@ class FlowGRPOMicroBatch:
     # negative prompts' with true CFG; None: the family has none
     txt_extras: dict[str, torch.Tensor] | None = None
     uncond_extras: dict[str, torch.Tensor] | None = None
+    # the loss's pi_old is this forward's own log-prob, detached (the ratio is exactly 1), instead of old_log_prob:
+    # the trainer's recomputation while the weights are still the rollout's, for a rollout whose own log-probs are
+    # not the trainer's (an FP8 rollout: FlowGRPO.trainer_old_policy); old_log_prob stays the rollout's, for the check
+    old_from_forward: bool = False
 
     def __post_init__(self):
         check_kind(self.sampler)
@@ -259,7 +263,14 @@ def loss_func(mb: FlowGRPOMicroBatch, config: FlowGRPOLossConfig, ref_out: torch
 
 def _with_log_prob(loss: Callable, mb: FlowGRPOMicroBatch, config, ref_out, output: torch.Tensor,
                    non_loss_data: bool = False):
-    """``loss``'s result with ``LOG_PROB`` among its metrics (scored here, detached, where ``loss`` omits it)."""
+    """``loss``'s result with ``LOG_PROB`` among its metrics (scored here, detached, where ``loss`` omits it).
+    With ``mb.old_from_forward`` the loss sees that detached log-prob as ``old_log_prob`` (the same ops on the same
+    output: bitwise the loss's own log π_θ, so the ratio is exactly 1)."""
+    if mb.old_from_forward and not non_loss_data:
+        with torch.no_grad():
+            log_prob_B = step_log_prob(guided_velocity(output.detach(), mb), mb)[1]
+        result = loss(replace(mb, old_log_prob=log_prob_B, old_from_forward=False), config, ref_out, output)
+        return (*result[:-1], {**result[-1], LOG_PROB: log_prob_B})
     result = loss(mb, config, ref_out, output, non_loss_data)
     if non_loss_data or LOG_PROB in result[-1]:
         return result
