@@ -12,6 +12,7 @@ ALGORITHMS = {
     "dance_grpo": "megatron_omni.algorithms.dance_grpo",
     "diffusion_dpo": "megatron_omni.algorithms.diffusion_dpo",
     "diffusion_nft": "megatron_omni.algorithms.diffusion_nft",
+    "srpo": "megatron_omni.algorithms.srpo",
 }
 
 

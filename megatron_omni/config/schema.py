@@ -308,6 +308,18 @@ class DiffusionNFTConfig:
 
 
 @dataclass
+class SRPOConfig:
+    """algorithm.srpo (megatron_omni.algorithms.srpo): Direct-Align with a differentiable reward."""
+
+    timesteps_per_sample: int = 2  # training rows per sample, t ~ U[timestep_range] each
+    timestep_range: tuple[float, float] = (0.5, 0.9)  # early (noisy) t, t = 1 pure noise
+    # the reward's prompts ("{prompt}" is the sample's): r(x̂0 | positive) − r(x̂0 | negative); negative None = none
+    positive_prompt: str = "{prompt}"
+    negative_prompt: Optional[str] = None
+    reward_scale: float = 1.0  # the loss is −scale·mean r
+
+
+@dataclass
 class AlgorithmConfig:
     """The settings shared by the policy-ratio algorithms at the top level; an algorithm's own settings in its
     section, ``algorithm.<name>.<key>`` (validated whichever algorithm runs)."""
@@ -331,6 +343,7 @@ class AlgorithmConfig:
     dance_grpo: DanceGRPOConfig = field(default_factory=DanceGRPOConfig)
     diffusion_dpo: DiffusionDPOConfig = field(default_factory=DiffusionDPOConfig)
     diffusion_nft: DiffusionNFTConfig = field(default_factory=DiffusionNFTConfig)
+    srpo: SRPOConfig = field(default_factory=SRPOConfig)
 
     def validate(self) -> None:
         from megatron_omni.algorithms.registry import algorithm_names

@@ -74,7 +74,7 @@ class DigitClassifierReward:
         trained = load_or_train_cnn(cache_dir)
         self.test_accuracy, self.train_seconds = trained.test_accuracy, trained.train_seconds
         self.device = torch.device(device)
-        self.model = trained.model.to(self.device)
+        self.model = trained.model.to(self.device).requires_grad_(False)  # scored, never trained here
 
     def probabilities(self, images: Any) -> np.ndarray:
         """Class probabilities [N, 10]."""
@@ -83,6 +83,13 @@ class DigitClassifierReward:
 
     def __call__(self, images: Any, prompts: Sequence[str], metadata: Sequence[dict] | None) -> np.ndarray:
         return _prompt_class_probability(self.probabilities, images, prompts)
+
+    def differentiable_scores(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """The reward as a torch tensor [N] with gradients in ``images`` (float [N, H, W] in [0, 1]), on their
+        device; the CNN's own weights stay frozen (the reward registry's differentiable scorer interface)."""
+        digits = torch.tensor([prompt_digit(p) for p in prompts], dtype=torch.long, device=self.device)
+        probs = self.model(to_digit_images(images).to(self.device)).softmax(-1)
+        return probs.gather(1, digits[:, None])[:, 0].to(images.device)
 
 
 @register_reward("digit_judge")

@@ -12,6 +12,11 @@ takes the reward's options as keywords) so a config can say ``name + kwargs`` an
 :func:`build_reward` makes the callable.  :func:`check_rewards` is the one place a result is
 validated: a NaN, an inf or a wrong length is an error naming the reward and the sample, never a
 silent 0 that would be normalised into an advantage.
+
+A reward whose score has gradients (SRPO back-propagates it: megatron_omni.algorithms.srpo) also offers
+``reward.differentiable_scores(images, prompts) -> torch.Tensor [N]``: ``images`` a float tensor as its decode gives
+them (the digit rewards: [N, H, W] in [0, 1]), the result differentiable in them; :func:`has_gradient` asks a
+registered factory without building it.
 """
 from __future__ import annotations
 
@@ -118,3 +123,12 @@ def compute_rewards(reward_fns: dict[str, RewardFn], images: Images, prompts: Se
                     metadata: Sequence[dict] | None = None) -> dict[str, np.ndarray]:
     """Every reward on the batch, in the calling thread: ``{name: float64 [N]}``."""
     return {name: score_batch(name, fn, images, prompts, metadata) for name, fn in reward_fns.items()}
+
+
+def has_gradient(name: str) -> bool:
+    """Whether the reward registered as ``name`` offers ``differentiable_scores`` (scores with gradients)."""
+    return callable(getattr(_FACTORIES.get(name), "differentiable_scores", None))
+
+
+def differentiable_rewards() -> list[str]:
+    return [name for name in list_rewards() if has_gradient(name)]

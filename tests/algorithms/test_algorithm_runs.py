@@ -98,12 +98,26 @@ def test_diffusion_nft(tmp_path, single_rank, task):
     assert done[1]["ref_loss"] > 0  # the adapters moved
 
 
+@pytest.mark.numerics
+def test_srpo(tmp_path, single_rank, task):
+    """ODE rollouts; 8 samples x 2 rows = 16 rows, one optimizer step, the digit CNN's gradient through x̂0 with a
+    negative prompt: r(x̂0 | its digit) − r(x̂0 | one)."""
+    cfg = load_config("digits_flow_grpo", None, ["algorithm.name=srpo", *TINY,
+                                                 "algorithm.srpo.negative_prompt=a handwritten digit one"])
+    _, done = train(cfg, single_rank, task, tmp_path / "run")
+    assert len(done) == 2 and all(m["optimizer_steps"] == 1 and m["grad_norm"] > 0 for m in done)
+    for m in done:
+        assert m["loss"] == pytest.approx(-m["srpo_relative"], rel=1e-6) and m["srpo_negative"] > 0
+        assert m["srpo_relative"] == pytest.approx(m["srpo_reward"] - m["srpo_negative"], rel=1e-5, abs=1e-7)
+        assert "logprob_abs_diff" not in m  # no log-probs recorded
+
+
 def test_unknown_algorithm_lists_the_known_ones():
     with pytest.raises(ConfigError) as err:
         load_config("digits_flow_grpo", None, ["algorithm.name=ppo"])
     assert "unknown algorithm 'ppo'" in str(err.value)
     assert {"flow_grpo", "mix_grpo", "grpo_guard", "flow_dppo", "dance_grpo", "diffusion_dpo",
-            "diffusion_nft"} <= set(algorithm_names())
+            "diffusion_nft", "srpo"} <= set(algorithm_names())
     for name in algorithm_names():
         assert repr(name) in str(err.value)
 
@@ -117,7 +131,8 @@ def _metrics(run_dir):
 
 
 RESUMED = {"mix_grpo": ["algorithm.mix_grpo.window_mode=random"], "grpo_guard": [], "flow_dppo": [],
-           "dance_grpo": [], "diffusion_dpo": [], "diffusion_nft": ["algorithm.diffusion_nft.timesteps_per_sample=2"]}
+           "dance_grpo": [], "diffusion_dpo": [], "diffusion_nft": ["algorithm.diffusion_nft.timesteps_per_sample=2"],
+           "srpo": []}
 
 
 @pytest.mark.parametrize("name", sorted(RESUMED))
