@@ -121,6 +121,7 @@ class ModelFamily:
         ``encode(prompts) -> (emb [N, T, E], mask [N, T])`` as the pipeline encodes them (or ``(emb, mask, extras)``
         with further denoiser inputs per prompt, see the module docstring); ``latent_grid(height,
         width) -> img_fhw``; ``decode(latents [N, I, C], img_fhw) -> images [N, 3, H, W] in [0, 1]``;
+        ``unpack(latents [N, I, C], img_fhw) -> [N, Z, h, w]`` (the latent image, no VAE: latent rewards read it);
         ``sigmas(num_steps, img_fhw) -> [num_steps + 1]`` (the scheduler's shift); ``noise(generator, img_fhw)
         -> [I, C]`` (initial latents as the pipeline draws them).  ValueError naming a folder of another class
         or a missing component.  ``edit``: True for an image-edit pipeline, whose parts also give

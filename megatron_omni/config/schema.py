@@ -357,12 +357,28 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
+    """The trained reward and a judge (megatron_omni.rewards).  When every one of them reads latents (``reads =
+    "latents"``: latent_scorer, latent_http) the run decodes nothing, and logs no sample grids."""
+
     name: str = "digit_classifier"  # a registered reward (megatron_omni.rewards.list_rewards())
+    # keyword options of the reward's factory, e.g. {url: http://host:8000/score} for latent_http
+    options: dict[str, Any] = field(default_factory=dict)
     judge: Optional[str] = "digit_judge"  # logged beside the reward, never trained on; None = no judge
     workers: int = 2
 
     def validate(self) -> None:
+        from megatron_omni.rewards import check_options, list_rewards
+
         _require_positive("reward", workers=self.workers)
+        for key, name, options in (("reward.name", self.name, self.options), ("reward.judge", self.judge, None)):
+            if name is None:
+                continue
+            if name not in list_rewards():
+                raise ConfigError(f"{key}: unknown reward {name!r}; expected one of {list_rewards()}")
+            try:
+                check_options(name, dict(options or {}))
+            except ValueError as e:  # a judge is built without options
+                raise ConfigError(f"{'reward.options' if options is not None else key}: {e}") from None
 
 
 @dataclass

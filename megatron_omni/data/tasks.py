@@ -1,5 +1,6 @@
 """A task bundles what a run needs besides the denoiser: its prompts (and held-out eval prompts), the text encoder,
-the image grid, the sigma schedule, the initial noise and the decoder from final latents to what the rewards read.
+the image grid, the sigma schedule, the initial noise, the decoder from final latents to what the image rewards read,
+and the unpacking of final latents to the latent images that latent rewards read (megatron_omni.rewards.latent).
 
 ``digits`` (the demo): 16x16 pixel-space digits, no VAE — the 2x2-packed "latents" are the pixels.
 ``pipeline``: a diffusers pipeline folder (``model.path``) through the model family's pipeline parts (its text
@@ -25,6 +26,8 @@ class Task:
     decode: Callable[[torch.Tensor], torch.Tensor]  # final latents [N, S_I, C] -> images [N, H, W] in [0, 1]
     text_dim: int
     latent_channels: int
+    # final latents [N, S_I, C] -> float32 latent images [N, Z, H, W] in the flow's space (no VAE), for latent rewards
+    latents: Callable[[torch.Tensor], torch.Tensor] | None = None
     eval_prompts: list[str] = field(default_factory=list)  # held out of training (train.eval_every)
     sigmas: Callable[[int], torch.Tensor] | None = None  # num_steps -> its schedule; None: the static shift's
     noise: Callable | None = None  # (generator, img_fhw) -> initial latents [S_I, C]; None: randn
@@ -60,7 +63,8 @@ def build_task(name: str, text_max_tokens: int = 16) -> Task:
     encoder = MiniLMEncoder(max_tokens=text_max_tokens)
     return Task(name="digits", prompts=[digits.prompt_for(d) for d in range(10)], img_fhw=digits.GRID_FHW,
                 encode=encoder.encode, decode=lambda x: digits.to_unit_images(digits.unpack_2x2(x)),
-                text_dim=MiniLMEncoder.hidden_size, latent_channels=digits.CHANNELS)
+                text_dim=MiniLMEncoder.hidden_size, latent_channels=digits.CHANNELS,
+                latents=lambda x: digits.unpack_2x2(x).float())  # the pixels are the latents: [N, 1, 16, 16]
 
 
 def task_for(cfg, device="cpu") -> Task:
@@ -99,6 +103,7 @@ def pipeline_task(cfg, device="cpu") -> Task:
     return Task(name=f"pipeline:{cfg.model.path}", prompts=train.prompts, img_fhw=img_fhw, encode=parts.encode,
                 decode=decode, text_dim=family.text_dim(cfg.model.arch),
                 latent_channels=family.latent_channels(cfg.model.arch), eval_prompts=held_out.prompts,
+                latents=lambda latents_NIC: parts.unpack(latents_NIC.float(), img_fhw),
                 sigmas=lambda n: parts.sigmas(n, img_fhw), noise=parts.noise,
                 preview=lambda images: images.permute(0, 3, 1, 2).float() / 255, records=train,
                 eval_records=held_out, request_inputs=EditInputs(parts, (d.height, d.width)) if parts.edit else None)

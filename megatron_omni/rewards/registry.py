@@ -7,6 +7,11 @@ A *reward* is a callable ``reward(images, prompts, metadata) -> float array [N]`
 - ``prompts``: N strings; ``metadata``: N dicts (``None`` means N empty dicts);
 - the result: one finite score per sample, higher is better (numpy or torch, any float dtype).
 
+A reward that scores clean latents instead of pixels (DiNa-LRM-style: :mod:`.latent`) says so with the class
+attribute ``reads = "latents"``; it is then called as ``reward(latents_NZHW, prompts, metadata)`` with the
+denoiser's final latents as float32 ``[N, Z, H, W]`` (the task's ``latents``: the flow's space, before the VAE's
+de-normalisation).  ``reads`` defaults to ``"images"``.  A run whose rewards all read latents decodes nothing.
+
 Rewards are registered by name with :func:`register_reward` on a *factory* (a class or function that
 takes the reward's options as keywords) so a config can say ``name + kwargs`` and
 :func:`build_reward` makes the callable.  :func:`check_rewards` is the one place a result is
@@ -20,11 +25,13 @@ registered factory without building it.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 Images = Any  # a list of N PIL.Image, or a uint8 [N, H, W, C] torch tensor / numpy array
+READS = ("images", "latents")  # what a reward scores: decoded images, or the denoiser's clean latents
 
 
 class RewardError(RuntimeError):
@@ -59,6 +66,28 @@ def build_reward(name: str, **kwargs: Any) -> RewardFn:
     if name not in _FACTORIES:
         raise KeyError(f"unknown reward {name!r}; expected one of {list_rewards()}")
     return _FACTORIES[name](**kwargs)
+
+
+def reads_of(fn: RewardFn) -> str:
+    """What ``fn`` scores: its ``reads`` attribute ("images" when it has none)."""
+    reads = getattr(fn, "reads", "images")
+    if reads not in READS:
+        raise ValueError(f"reward {fn!r} declares reads={reads!r}; expected one of {READS}")
+    return reads
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """ValueError unless ``build_reward(name, **options)`` would accept the options (checked against the factory's
+    signature, without building: a config is validated before any model or server is touched)."""
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown reward {name!r}; expected one of {list_rewards()}")
+    signature = inspect.signature(_FACTORIES[name])
+    try:
+        signature.bind(**options)
+    except TypeError as err:
+        known = [p for p in signature.parameters if p != "self"]
+        raise ValueError(f"options {sorted(options)} do not fit reward {name!r} ({err}); expected keys among "
+                         f"{known}") from None
 
 
 def num_samples(images: Images) -> int:

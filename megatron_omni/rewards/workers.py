@@ -1,6 +1,6 @@
 """Reward workers that score a batch in background threads while the next rollout batch is sampled.
 
-Protocol: ``future = pool.submit(images, prompts, metadata)`` returns at once → the caller keeps
+Protocol: ``future = pool.submit(images, prompts, metadata, latents=...)`` returns at once → the caller keeps
 sampling → ``future.result()`` gives ``{reward name: float64 [N]}`` or raises the first
 :class:`RewardError` (a reward that raised, or returned NaN/inf or the wrong length; the message names
 the reward and the sample — a failed reward is never scored 0).
@@ -8,6 +8,8 @@ the reward and the sample — a failed reward is never scored 0).
 Threads, not processes: the expensive parts release the GIL (tesseract inside tesserocr, torch
 kernels, JPEG encoding in PIL), and threads share the loaded models and the images without copies.
 ``chunk_size`` splits each batch so a per-image reward such as OCR runs on several workers at once.
+Each reward gets what it reads (registry.reads_of: the decoded images, or the clean latents); ``reads(kind)`` tells
+the caller which of the two it must produce, so a run of latent rewards only never decodes.
 The pool keeps references to the submitted images: do not modify them in place before ``result()``.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from megatron_omni.rewards.registry import Images, RewardFn, check_batch, num_samples, score_batch
+from megatron_omni.rewards.registry import Images, RewardFn, check_batch, num_samples, reads_of, score_batch
 
 
 class RewardFuture:
@@ -65,20 +67,37 @@ class AsyncRewardPool:
         if num_workers < 1 or (chunk_size is not None and chunk_size < 1):
             raise ValueError(f"num_workers={num_workers}, chunk_size={chunk_size}; expected integers >= 1")
         self.reward_fns = dict(reward_fns)
+        self.inputs = {name: reads_of(fn) for name, fn in self.reward_fns.items()}  # "images" or "latents"
         self.chunk_size = chunk_size
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(num_workers, thread_name_prefix="reward")
 
-    def submit(self, images: Images, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> RewardFuture:
-        """Queue the batch for every reward and return at once.  Batch sizes are checked here, so a
-        mismatch fails in the caller's thread."""
+    def reads(self, kind: str) -> bool:
+        """Whether any reward scores ``kind`` ("images" or "latents"): the caller produces only what is read."""
+        return kind in self.inputs.values()
+
+    def submit(self, images: Images | None, prompts: Sequence[str], metadata: Sequence[dict] | None = None,
+               latents=None) -> RewardFuture:
+        """Queue the batch for every reward and return at once; each reward gets the ``images`` or the ``latents``
+        (float [N, Z, H, W]) it reads, and either may be None when no reward reads it.  Batch sizes are checked
+        here, so a mismatch fails in the caller's thread."""
         if self._executor is None:
             raise RuntimeError("AsyncRewardPool.submit after close(); expected an open pool")
-        metadata = check_batch(images, prompts, metadata)
-        n = num_samples(images)
+        given = {"images": images, "latents": latents}
+        missing = {name: kind for name, kind in self.inputs.items() if given[kind] is None}
+        if missing:
+            raise ValueError(f"rewards {missing} read inputs that were not given; expected submit() to pass "
+                             f"{sorted(set(missing.values()))}")
+        n = None
+        for kind, batch in given.items():
+            if batch is not None:
+                metadata = check_batch(batch, prompts, metadata)
+                n = num_samples(batch)
+        if n is None:
+            raise ValueError("submit() got neither images nor latents; expected the batch to score")
         step = self.chunk_size or max(n, 1)
         parts = {
-            name: [self._executor.submit(score_batch, name, fn, images[s:s + step], list(prompts[s:s + step]),
-                                         metadata[s:s + step], s)
+            name: [self._executor.submit(score_batch, name, fn, given[self.inputs[name]][s:s + step],
+                                         list(prompts[s:s + step]), metadata[s:s + step], s)
                    for s in range(0, n, step)]
             for name, fn in self.reward_fns.items()}
         return RewardFuture(parts)

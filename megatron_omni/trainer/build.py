@@ -26,7 +26,7 @@ from megatron_omni.data.tasks import Task
 from megatron_omni.logging import RunLogger
 from megatron_omni.parallel.pipeline import broadcast_from_last_stage
 from megatron_omni.parallel.state import ParallelState, single_rank_group
-from megatron_omni.rewards import AsyncRewardPool, build_reward
+from megatron_omni.rewards import AsyncRewardPool, build_reward, reads_of
 from megatron_omni.rollout.engine import EmbeddedEngine, Trajectory
 from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines
 from megatron_omni.sync.updaters import EngineProcessUpdater, InProcessUpdater
@@ -67,9 +67,10 @@ class Run:
         metrics, grad_norm = run_microbatches(self.policy, self.forward_step, microbatches, **kwargs)
         return broadcast_from_last_stage(metrics, self.policy.state.pp_group), grad_norm
 
-    def rollout(self, requests: list) -> tuple[list[Trajectory], torch.Tensor, list]:
-        """Trajectories, decoded images and pending reward futures.  Two halves (whole groups each): the first is
-        scored in reward threads while the second is sampled, the second while the trainer checks log-probs."""
+    def rollout(self, requests: list) -> tuple[list[Trajectory], torch.Tensor | None, list]:
+        """Trajectories, decoded images (None when no reward reads images) and pending reward futures.  Two halves
+        (whole groups each): the first is scored in reward threads while the second is sampled, the second while
+        the trainer checks log-probs."""
         r = self.cfg.rollout
         half = (r.prompts_per_step // 2 or r.prompts_per_step) * r.group_size
         trajs, pending, images = [], [], []
@@ -77,11 +78,20 @@ class Run:
             if not part:
                 continue
             part_trajs = self.engine.generate(part)
-            part_images = self.task.decode(torch.stack([t.final_sample for t in part_trajs]).cpu())
-            pending.append(self.rewards.submit(part_images, [t.request.prompt for t in part_trajs]))
+            part_images, future = self.score(part_trajs)
+            pending.append(future)
             trajs += part_trajs
             images.append(part_images)
-        return trajs, torch.cat(images), pending
+        return trajs, None if images[0] is None else torch.cat(images), pending
+
+    def score(self, trajs: list[Trajectory]) -> tuple[torch.Tensor | None, Any]:
+        """The decoded final samples of ``trajs`` and the future of their rewards.  Each reward gets what it reads:
+        the images (the task's decode: the VAE) or the latent images (``task.latents``); when no reward reads images
+        nothing is decoded and the images are None."""
+        final_NIC = torch.stack([t.final_sample for t in trajs]).cpu()
+        images = self.task.decode(final_NIC) if self.rewards.reads("images") else None
+        latents = self.task.latents(final_NIC) if self.rewards.reads("latents") else None
+        return images, self.rewards.submit(images, [t.request.prompt for t in trajs], latents=latents)
 
     def preview(self, images: torch.Tensor) -> torch.Tensor:
         """Decoded images as [N, H, W] / [N, C, H, W] floats in [0, 1], for grids."""
@@ -265,9 +275,12 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     if resume and checkpointer.latest_step() is not None:
         start = checkpointer.load(policy.model, policy.optimizer)["step"] + 1
     engine = _build_engine(cfg, state, task, policy)
-    fns = {"reward": build_reward(cfg.reward.name)}
+    fns = {"reward": build_reward(cfg.reward.name, **cfg.reward.options)}
     if cfg.reward.judge:
         fns["judge"] = build_reward(cfg.reward.judge)
+    if task.latents is None and (latent := [n for n, fn in fns.items() if reads_of(fn) == "latents"]):
+        raise ValueError(f"rewards {latent} read latents, but task {task.name!r} gives no latent images; expected "
+                         f"image rewards, or a task with latents")
     logger = RunLogger(run_dir, cfg.train.steps, cfg.logging.wandb_mode, cfg.logging.project,
                        config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns),
                        log_every=cfg.logging.log_every, enabled=state.rank == 0)  # the metrics are alike everywhere

@@ -1,9 +1,7 @@
 """Evaluation on the task's held-out prompts: deterministic (ODE) samples at fixed seeds, the same at every
 evaluation, scored by the run's rewards and logged as ``eval_<reward>_mean`` plus a grid labelled with each tile's
-prompt and reward (``eval_stepNNNNN.png``)."""
+prompt and reward (``eval_stepNNNNN.png``; none when every reward reads latents, so nothing is decoded)."""
 from __future__ import annotations
-
-import torch
 
 from megatron_omni.data.prompts import request_seed
 from megatron_omni.rollout.engine import Request
@@ -35,12 +33,11 @@ def evaluate(run, step: int) -> dict[str, float]:
     requests = shard_requests(eval_requests(run), state.dp, state.dp_rank, even=False)
     scores = {}
     if requests:
-        trajs = run.engine.generate(requests)
-        images = run.task.decode(torch.stack([t.final_sample for t in trajs]).cpu())
-        prompts = [q.prompt for q in requests]
-        (scores,) = [p.result() for p in [run.rewards.submit(images, prompts)]]
-        labels = [p + "".join(f"\n{name} {float(values[i]):.2f}" for name, values in scores.items())
-                  for i, p in enumerate(prompts)]
-        run.logger.log_images(step, run.preview(images), name="eval", labels=labels)
+        images, future = run.score(run.engine.generate(requests))
+        scores = future.result()
+        labels = [q.prompt + "".join(f"\n{name} {float(values[i]):.2f}" for name, values in scores.items())
+                  for i, q in enumerate(requests)]
+        if images is not None:  # None: the rewards read latents only, and nothing was decoded
+            run.logger.log_images(step, run.preview(images), name="eval", labels=labels)
     scores = gather_scores(scores, state) if state.dp > 1 else scores
     return {f"eval_{name}_mean": float(values.mean()) for name, values in scores.items() if len(values)}

@@ -86,7 +86,7 @@ def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path,
                 result["metrics"].update(evaluate(run, step))
             run.logger.log_step(step, result["metrics"])
             done.append({"step": step, **result["metrics"]})
-            if step % max(1, cfg.train.steps // 4) == 0 or step == last:
+            if result["images"] is not None and (step % max(1, cfg.train.steps // 4) == 0 or step == last):
                 run.logger.log_images(step, run.preview(result["images"][:64]), labels=result["labels"][:64])
             if stop_after is not None and len(done) >= stop_after:
                 break

@@ -323,6 +323,12 @@ class QwenImageParts:
         """Images [N, 3, H, W] in [0, 1], as the pipeline's ``output_type="pt"``."""
         return self.vae.decode(packed_NIC, img_fhw)
 
+    def unpack(self, packed_NIC: torch.Tensor, img_fhw: tuple[int, int, int]) -> torch.Tensor:
+        """The latent image [N, Z, H / 8, W / 8] of final tokens, in the flow's space (before ``decode``'s
+        z * std + mean): what a latent reward reads."""
+        _, h, w = img_fhw
+        return unpack_2x2(packed_NIC, PACK * h, PACK * w)
+
     def sigmas(self, num_steps: int, img_fhw: tuple[int, int, int]) -> torch.Tensor:
         """The pipeline's schedule (dynamic shift from the image token count): [num_steps + 1] float32."""
         return self.scheduler.sigmas(num_steps, img_fhw[0] * img_fhw[1] * img_fhw[2])

@@ -187,6 +187,11 @@ class SD3Parts:
     def decode(self, tokens_NIC: torch.Tensor, img_fhw: tuple[int, int, int]) -> torch.Tensor:
         return self.vae.decode(tokens_NIC, img_fhw)
 
+    def unpack(self, tokens_NIC: torch.Tensor, img_fhw: tuple[int, int, int]) -> torch.Tensor:
+        """The latent image [N, Z, H / 8, W / 8] of final tokens, in the flow's space (before ``decode``'s
+        z / scaling + shift): what a latent reward reads."""
+        return unpack(tokens_NIC, img_fhw[1], img_fhw[2], self.vae.patch)
+
     def sigmas(self, num_steps: int, img_fhw: tuple[int, int, int]) -> torch.Tensor:
         return self.scheduler.sigmas(num_steps, img_fhw[1] * img_fhw[2])
 

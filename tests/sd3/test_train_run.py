@@ -78,3 +78,30 @@ def test_exported_lora_equals_diffusers_load_lora_weights(tmp_path):
     err, effect = rel_err(ours, ref), rel_err(base, ref)
     print(f"LoRA image vs diffusers {err:.2e} (the adapters' effect {effect:.2e}); checkpoint {rel_err(policy, ours):.2e}")
     assert err <= 1e-4 < 10 * 1e-4 <= effect and rel_err(policy, ours) <= 1e-4
+
+
+@pytest.mark.numerics
+def test_latent_reward_run_decodes_nothing(tmp_path, monkeypatch):
+    """The recipe with its reward scored over HTTP on the clean latents (a random-init latent scorer on a local
+    server): every rollout and the final evaluation are scored without one VAE decode, and the adapters learn from
+    the scores.  The same run with an image judge beside it decodes (the counter sees the VAE's calls)."""
+    from diffusers import AutoencoderKL
+
+    from megatron_omni.rewards import build_reward
+    from megatron_omni.rewards.latent import LatentRewardServer
+
+    decodes, original = [], AutoencoderKL.decode
+    monkeypatch.setattr(AutoencoderKL, "decode", lambda self, *a, **k: decodes.append(1) or original(self, *a, **k))
+    folder = build_sd3_pipeline(tmp_path / "sd3", seed=0)
+    with LatentRewardServer(build_reward("latent_scorer", channels=16, seed=0)) as server:
+        latent_run = ["train", "--recipe", "sd35_flow_grpo", f"model.path={folder}", *TINY, "reward.name=latent_http",
+                      f"reward.options.url={server.url}"]
+        assert main([*latent_run, f"train.output_dir={tmp_path / 'run'}", "train.steps=2"]) == 0
+        assert decodes == []
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1] and "eval_reward_mean" in rows[-1]
+        assert all(r["grad_norm"] > 0 and r["reward_std"] > 0 and r["logprob_abs_diff"] <= 1e-6 for r in rows)
+        assert not list((tmp_path / "run").glob("*_step*.png"))  # no sample grids: nothing was decoded
+        assert main([*latent_run, f"train.output_dir={tmp_path / 'mixed'}", "train.steps=1",
+                     "reward.judge=jpeg_compressibility"]) == 0
+    assert len(decodes) >= 2  # the rollout's two halves at least (and the evaluation)
