@@ -26,10 +26,17 @@ KINDS = (
 
 
 def median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup`` calls (CUDA events)."""
+    """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup`` calls (CUDA events; the wall clock
+    without CUDA, for the benches' CPU smoke runs)."""
     for _ in range(warmup):
         fn()
     times = []
+    if not torch.cuda.is_available():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

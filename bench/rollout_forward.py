@@ -1,71 +1,126 @@
-"""Rollout forward throughput of the full-size Qwen-Image DiT: ours (megatron-core specs, TP=1) beside
-diffusers' QwenImageTransformer2DModel, same GPU, same run.  Random init, bf16, 512x512 (1024 image
-tokens) + 128 text tokens, no text padding, under torch.no_grad.  Prints one table.
+"""Rollout forward throughput of a full-size DiT: ours (megatron-core specs, TP=1) beside diffusers' model of the
+family, same GPU, same run.  Random init, bf16, 512x512 (1024 image tokens), no text padding, under torch.no_grad.
+Prints one table.
 
-    python bench/rollout_forward.py [--batches 1 8 16] [--layers 60] [--repeats 5] [--compile default]
-                                    [--no-eager] [--no-reference] [--profile] [--fusion fused unfused qkv-sum]
-                                    [--lora 64] [--modulation table computed] [--blocks-per-graph 1 2 4]
+    python bench/rollout_forward.py [--family qwen_image | sd3] [--batches 1 8 16] [--layers N] [--repeats 5]
+                                    [--compile default] [--no-eager] [--no-reference] [--profile]
+                                    [--fusion fused unfused qkv-sum] [--lora 64] [--modulation table computed]
+                                    [--blocks-per-graph 1 2 4] [--smoke]
 
+``--family``: ``qwen_image`` (the default): Qwen-Image 20 B (60 blocks) against QwenImageTransformer2DModel, 128 text
+tokens, batches 1 8 16; ``sd3``: SD3.5-Medium (24 blocks, MMDiT-X) against SD3Transformer2DModel at the
+``sd35_flow_grpo`` recipe's shape: 77 + 256 text tokens and the pooled text, batches 1, 8 (one group) and the
+recipe's rollout batch (``rollout.max_num_seqs``, 32).
 ``--fusion``: ours with the rollout engine's inference fusions (model_specs.common.fusion: fc1 bias + GELU-tanh in
-the GEMM epilogue, q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as EmbeddedEngine runs)
-and / or without them (megatron-core's MLP, the norms, RoPE and concatenation as torch.compile fuses them).
-``--lora R``: ours with LoRA rank R on the FlowGRPO targets (nonzero B), as the rollout of a LoRA run computes; the
-fused MLP then folds fc1's adapter into its GEMM.
-``--modulation``: ``table`` (the default, as EmbeddedEngine runs): every row at one sigma, the blocks' adaLN
-modulations read from a ModulationTable built once for a rollout's 10 sigmas (its time per batch printed apart;
-the modulation products are then not counted in the forward's FLOPs); ``computed``: each forward computes them,
-rows at random sigmas.
-``--blocks-per-graph``: under --compile, consecutive blocks per compiled graph (megatron_omni.compile; default its
-BLOCKS_PER_GRAPH).
+the GEMM epilogue; Qwen-Image's q / k RMSNorm + RoPE + the joint layout in one Triton kernel; the default, as
+EmbeddedEngine runs) and / or without them (megatron-core's MLP, the norms, RoPE and concatenation as torch.compile
+fuses them).  ``qkv-sum`` (Qwen-Image): fused, a LoRA'd QKV's bias and adapter output added by their own pass.
+``--lora R``: ours with LoRA rank R on the family's LoRA targets (nonzero B), as the rollout of a LoRA run computes.
+``--modulation``: ``table`` (the default, as EmbeddedEngine runs): every row at one sigma, with the per-step inputs
+the family computes once for a rollout's 10 sigmas (``ModelFamily.step_inputs``: Qwen-Image's ModulationTable, its
+time per batch printed apart, the modulation products then not counted in the forward's FLOPs; SD3 has none);
+``computed``: rows at random sigmas.
+``--blocks-per-graph``: under --compile, consecutive blocks per compiled graph (megatron_omni.compile).
+``--smoke``: the family's tiny random config in float32 on the CPU (batch 2, a 4x4 token grid): the whole script
+runs without a GPU (tests/bench/test_rollout_forward_smoke.py); its times mean nothing.
 
-MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, docs/benchmarks.md); FLOPs from
-model_specs/qwen_image/flops.py (16.6 TFLOP per image at 512x512).
+MFU is against the measured bf16 matmul peak of an H200 (792 TFLOP/s, docs/benchmarks.md); FLOPs from the family's
+flops.py (Qwen-Image: 16.6 TFLOP per image at 512x512).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
 import megatron_omni  # noqa: F401  (quiet upstream notices)
 from _profile import median_ms
-from model_specs.qwen_image.config import QwenImageConfig
-from model_specs.qwen_image.flops import forward_flops
+from model_specs.family import get_family
 
 PEAK = 792e12
-FHW, TEXT = (1, 32, 32), 128
 
 
-def _inputs(arch: QwenImageConfig, batch: int):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    n = FHW[0] * FHW[1] * FHW[2]
-    return (torch.randn(batch, n, arch.in_channels, device="cuda", generator=g, dtype=torch.bfloat16),
-            torch.randn(batch, TEXT, arch.joint_attention_dim, device="cuda", generator=g, dtype=torch.bfloat16),
-            torch.rand(batch, device="cuda", generator=g))
+@dataclass
+class Workload:
+    """One family's benchmark shape: its arch, token grid, text length and dtype on a device."""
+
+    family: str
+    arch: object
+    fhw: tuple[int, int, int]
+    text: int
+    batches: list[int]
+    device: torch.device
+    dtype: torch.dtype
+    extras: dict = field(default_factory=dict)  # name -> width of further per-sample inputs (SD3's pooled text)
+
+    @property
+    def image_tokens(self) -> int:
+        return self.fhw[0] * self.fhw[1] * self.fhw[2]
+
+    def inputs(self, batch: int):
+        """(image tokens [B, I, C], text [B, T, E], sigma [B], {extra: [B, P]}) drawn from a fixed seed."""
+        g = torch.Generator(device=self.device).manual_seed(0)
+        arch, kw = self.arch, dict(device=self.device, generator=g, dtype=self.dtype)
+        in_features = getattr(arch, "in_features", None) or arch.in_channels
+        return (torch.randn(batch, self.image_tokens, in_features, **kw),
+                torch.randn(batch, self.text, arch.joint_attention_dim, **kw),
+                torch.rand(batch, device=self.device, generator=g),
+                {name: torch.randn(batch, width, **kw) for name, width in self.extras.items()})
+
+    def flops(self, batch: int, modulation: bool) -> float:
+        if self.family == "qwen_image":
+            from model_specs.qwen_image.flops import forward_flops
+
+            return forward_flops(self.arch, batch, self.image_tokens, self.text, modulation=modulation)
+        return get_family(self.family).forward_flops(self.arch, batch, self.image_tokens, self.text)
 
 
-def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True,
+def workload(family: str, layers: int | None, smoke: bool) -> Workload:
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    if family == "qwen_image":
+        from model_specs.qwen_image.config import QwenImageConfig, tiny_config
+
+        arch = tiny_config() if smoke else QwenImageConfig(num_layers=layers or 60)
+        return Workload(family, arch, (1, 4, 4) if smoke else (1, 32, 32), 8 if smoke else 128,
+                        [2] if smoke else [1, 8, 16], device, dtype)
+    from megatron_omni.config.recipes import get_recipe
+    from model_specs.sd3.config import sd35_medium, tiny_config
+    from model_specs.sd3.pipeline import POOLED, T5_TOKENS
+
+    arch = tiny_config() if smoke else sd35_medium()
+    if layers and not smoke:  # fewer blocks: MMDiT-X keeps those of its dual-attention blocks that remain
+        arch = replace(arch, num_layers=layers, dual_attention_layers=tuple(i for i in arch.dual_attention_layers
+                                                                           if i < layers))
+    rollout_batch = get_recipe("sd35_flow_grpo").rollout.max_num_seqs
+    return Workload(family, arch, (1, 4, 4) if smoke else (1, 32, 32), 8 if smoke else 77 + T5_TOKENS,
+                    [2] if smoke else [1, 8, rollout_batch], device, dtype, {POOLED: arch.pooled_projection_dim})
+
+
+def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True,
          blocks_per_graph=None, top=12):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
-    from model_specs.qwen_image.model import QwenImageModel
-    from model_specs.qwen_image.spec import qwen_image_block_spec
 
-    state = init_parallel(device="cuda")
-    cfg = arch.transformer_config(1, params_dtype=torch.bfloat16, use_cpu_initialization=False)
-    model = QwenImageModel(arch, cfg, state.tp_group, qwen_image_block_spec("local")).cuda().eval()
+    family = get_family(w.family)
+    state = init_parallel(device=w.device.type)
+    overrides = {"use_cpu_initialization": False} if w.device.type == "cuda" else {}
+    cfg = family.transformer_config(w.arch, 1, params_dtype=w.dtype, **overrides)
+    model = family.build(w.arch, cfg, state.tp_group, "local").to(w.device).eval()
     if lora_rank:
-        from checkpoints_convert.qwen_image import qwen_image_rules
-        from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora, lora_modules
+        from model_specs.common.lora import apply_lora, lora_modules
 
-        apply_lora(model, lora_rank, 2.0 * lora_rank, FLOW_GRPO_TARGETS, qwen_image_rules(arch))
+        apply_lora(model, lora_rank, 2.0 * lora_rank, family.lora_targets, family.rules(w.arch))
         for m in lora_modules(model).values():
             torch.nn.init.normal_(m.lora_B, std=1e-3)  # nonzero, as after training
     if fused:
         from model_specs.common.fusion import fuse_inference
 
-        fuse_inference(model, strict=True)
+        # strict on a GPU, where every member must take its fused path; the CPU smoke run takes those that do
+        count = fuse_inference(model, strict=w.device.type == "cuda")
+        print(f"fused modules: {count}", flush=True)
     if fused == "qkv-sum":  # the QKV's bias and LoRA output added by their own pass (the path before 2026-12-01)
         import model_specs.qwen_image.layers as layers
         from model_specs.common.fusion import column_parts
@@ -79,27 +134,28 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
 
         compile_blocks(model, compile_mode, blocks_per_graph)
     with torch.no_grad():
-        steps_N = torch.linspace(1.0, 0.1, 10, device="cuda")  # a rollout's sigmas
+        steps_N = torch.linspace(1.0, 0.1, 10, device=w.device)  # a rollout's sigmas
         if table:
-            ms = median_ms(lambda: model.modulation_table(steps_N), repeats)
-            print(f"modulation table for {len(steps_N)} sigmas: {ms:.2f} ms (once per rollout batch)", flush=True)
-            step = model.modulation_table(steps_N).step(3)  # the same for every batch size
-        for b in batches:
-            img, txt, sigma = _inputs(arch, b)
-            kw = {}
+            ms = median_ms(lambda: family.step_inputs(model, steps_N), repeats)
+            print(f"per-step inputs for {len(steps_N)} sigmas: {ms:.2f} ms (once per rollout batch)", flush=True)
+            step = family.step_inputs(model, steps_N)[3]  # the same for every batch size
+        for b in w.batches:
+            img, txt, sigma, extras = w.inputs(b)
+            kw = dict(extras)
             if table:  # every row at one sigma, as in a rollout step
-                sigma, kw = steps_N[3].expand(b), {"modulation": step}
+                sigma, kw = steps_N[3].expand(b), {**kw, **step}
             t0 = time.perf_counter()
-            model(img, txt, sigma, FHW, None, **kw)
-            torch.cuda.synchronize()
+            model(img, txt, sigma, w.fhw, None, **kw)
+            if w.device.type == "cuda":
+                torch.cuda.synchronize()
             first = time.perf_counter() - t0
-            out[b] = median_ms(lambda: model(img, txt, sigma, FHW, None, **kw), repeats)
+            out[b] = median_ms(lambda: model(img, txt, sigma, w.fhw, None, **kw), repeats)
             print(f"ours{' compiled ' + compile_mode if compile_mode else ''} batch {b}: first call {first:.1f} s, "
                   f"{out[b]:.1f} ms", flush=True)
-            if profile and b == max(batches):
+            if profile and b == max(w.batches):
                 from _profile import graph_breaks, profile_kernels
 
-                profile_kernels(lambda: model(img, txt, sigma, FHW, None, **kw),
+                profile_kernels(lambda: model(img, txt, sigma, w.fhw, None, **kw),
                                 f"forward batch {b} {compile_mode or 'eager'}", top=top, shapes=True)
                 print(graph_breaks(), flush=True)
     del model
@@ -109,32 +165,53 @@ def ours(arch, batches, repeats, compile_mode=None, profile=False, fused=True, l
     return out
 
 
-def reference(arch, batches, repeats):
-    from diffusers import QwenImageTransformer2DModel
+def reference(w: Workload, repeats):
+    """diffusers' model of the family at random init on the same inputs, timed the same way."""
+    kwargs = {k: v for k, v in w.arch.to_diffusers().items() if not k.startswith("_")}
+    if w.family == "qwen_image":
+        from diffusers import QwenImageTransformer2DModel
 
-    kwargs = {k: v for k, v in arch.to_diffusers().items() if not k.startswith("_")}
-    with torch.device("meta"):
-        model = QwenImageTransformer2DModel(**kwargs).to(torch.bfloat16)
-    model = model.to_empty(device="cuda").eval()
-    # the RoPE tables are plain attributes, not buffers: rebuild them off the meta device
-    model.pos_embed = type(model.pos_embed)(theta=10000, axes_dim=list(arch.axes_dims_rope), scale_rope=True)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+        with torch.device("meta"):
+            model = QwenImageTransformer2DModel(**kwargs).to(w.dtype)
+        model = model.to_empty(device=w.device).eval()
+        # the RoPE tables are plain attributes, not buffers: rebuild them off the meta device
+        model.pos_embed = type(model.pos_embed)(theta=10000, axes_dim=list(w.arch.axes_dims_rope), scale_rope=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+
+        def call(img, txt, sigma, extras):
+            return model(hidden_states=img, encoder_hidden_states=txt, timestep=sigma,
+                         img_shapes=[[w.fhw]] * img.shape[0], return_dict=False)
+    else:
+        from diffusers import SD3Transformer2DModel
+
+        from model_specs.sd3.conditioning import unpack
+        from model_specs.sd3.pipeline import POOLED
+
+        with torch.device(w.device):  # its own init (seconds on a GPU); the position table is a real buffer
+            model = SD3Transformer2DModel(**kwargs).to(w.dtype).eval()
+
+        def call(img, txt, sigma, extras):  # the pipeline passes the latent image and timestep = 1000 sigma
+            z_BZHW = unpack(img, w.fhw[1], w.fhw[2], w.arch.patch_size)
+            return model(hidden_states=z_BZHW, encoder_hidden_states=txt, pooled_projections=extras[POOLED],
+                         timestep=1000 * sigma, return_dict=False)
     out = {}
     with torch.no_grad():
-        for b in batches:
-            img, txt, sigma = _inputs(arch, b)
-            out[b] = median_ms(lambda: model(hidden_states=img, encoder_hidden_states=txt, timestep=sigma,
-                                         img_shapes=[[FHW]] * b, return_dict=False), repeats)
+        for b in w.batches:
+            inputs = w.inputs(b)
+            out[b] = median_ms(lambda: call(*inputs), repeats)
     del model
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
-    p.add_argument("--layers", type=int, default=60, help="blocks (60 = full size)")
+    p.add_argument("--family", choices=("qwen_image", "sd3"), default="qwen_image",
+                   help="qwen_image: Qwen-Image 20 B; sd3: SD3.5-Medium at the sd35_flow_grpo recipe's shape")
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="default: qwen_image 1 8 16; sd3 1 8 and the recipe's rollout batch (32)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: the full size, 60 / 24)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile", nargs="*", default=[], metavar="MODE",
                    help="also time ours with every block under torch.compile(mode=MODE), e.g. default "
@@ -144,41 +221,55 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="kernel breakdown of ours at the largest batch")
     p.add_argument("--top", type=int, default=12, help="heaviest kernels listed by --profile")
     p.add_argument("--fusion", nargs="+", choices=("fused", "unfused", "qkv-sum"), default=["fused"],
-                   help="ours with the engine's inference fusions, and / or without; qkv-sum: fused, but a LoRA'd "
-                        "QKV's bias and adapter output summed by their own pass, not in the q / k norm kernel")
-    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on the FlowGRPO targets (0 = none)")
+                   help="ours with the engine's inference fusions, and / or without; qkv-sum (qwen_image): fused, "
+                        "but a LoRA'd QKV's bias and adapter output summed by their own pass, not in the q / k norm "
+                        "kernel")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA rank on the family's targets (0 = none)")
     p.add_argument("--modulation", nargs="+", choices=("table", "computed"), default=["table"],
-                   help="ours reading the adaLN modulations from a table built once per rollout batch, and / or "
-                        "computing them in every forward")
+                   help="ours with the per-step inputs built once per rollout batch (Qwen-Image: the adaLN "
+                        "modulation table), and / or computing everything in every forward")
     p.add_argument("--blocks-per-graph", type=int, nargs="+", default=[None], metavar="K",
                    help="under --compile: consecutive blocks per compiled graph, one run per K (default: "
                         "megatron_omni.compile.BLOCKS_PER_GRAPH)")
+    p.add_argument("--smoke", action="store_true", help="the family's tiny config in float32 on the CPU")
     args = p.parse_args()
-    arch = QwenImageConfig(num_layers=args.layers)
+    if "qkv-sum" in args.fusion and args.family != "qwen_image":
+        p.error(f"--fusion qkv-sum patches Qwen-Image's attention; expected --family qwen_image, got {args.family}")
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("no CUDA device: the bench times a GPU; expected one, or --smoke for the tiny CPU run")
+    w = workload(args.family, args.layers, args.smoke)
+    w.batches = args.batches or w.batches
     results = {}
     lora = f" lora{args.lora}" if args.lora else ""
     for mode in ([None] if not args.no_eager else []) + args.compile:
         for fusion, modulation, per_graph in [(f, m, k) for f in args.fusion for m in args.modulation
                                               for k in (args.blocks_per_graph if mode else [None])]:
-            gc.collect()
-            torch.cuda.empty_cache()
+            _release()
             graphs = "" if per_graph is None else f" {per_graph}/graph"
             name = f"ours {mode or 'eager'}{lora}{graphs} {fusion}{' table' if modulation == 'table' else ''}"
             print(f"--- {name}", flush=True)
-            results[name] = ours(arch, args.batches, args.repeats, mode, args.profile,
+            results[name] = ours(w, args.repeats, mode, args.profile,
                                  {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
                                  modulation == "table", per_graph, args.top)
-    gc.collect()
-    torch.cuda.empty_cache()
+    _release()
     if not args.no_reference:
-        results["diffusers"] = reference(arch, args.batches, args.repeats)
-    print(f"\n{torch.cuda.get_device_name()}, {args.layers} blocks, bf16, 512x512 + {TEXT} text tokens, eager")
+        results["diffusers"] = reference(w, args.repeats)
+    device = torch.cuda.get_device_name() if w.device.type == "cuda" else "cpu (smoke: times mean nothing)"
+    side = w.fhw[1] * 16  # pixels: 8x VAE, 2x2 patches
+    print(f"\n{device}, {args.family} {get_family(args.family).num_blocks(w.arch)} blocks, {w.dtype}, "
+          f"{side}x{side} + {w.text} text tokens, eager")
     print(f"{'model':<44} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
     for name, rows in results.items():
         for b, ms in rows.items():
-            flops = forward_flops(arch, b, FHW[0] * FHW[1] * FHW[2], TEXT, modulation=not name.endswith(" table"))
+            flops = w.flops(b, modulation=not name.endswith(" table"))
             print(f"{name:<44} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
                   f"{flops / ms / 1e9 / (PEAK / 1e12):>6.1%}")
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

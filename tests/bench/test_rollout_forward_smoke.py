@@ -1,0 +1,37 @@
+"""bench/rollout_forward.py --smoke: the whole script (ours fused / unfused, with and without the per-step inputs,
+diffusers' model beside it) on the family's tiny config on the CPU; the table has a row per variant and batch, and
+the engine's fusions reach the family's blocks (times mean nothing there)."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("family,fused,blocks", [("sd3", 5, 3), ("qwen_image", 6, 2)])
+def test_smoke_prints_the_table(family, fused, blocks):
+    """SD3's tiny config: 3 blocks, the last ``context_pre_only`` (no text MLP): 5 GELU MLPs take the fc1 epilogue
+    path on the CPU; Qwen-Image's 2 blocks: 4 MLPs and the 2 joint attentions."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_forward.py"), "--family", family, "--smoke",
+                          "--repeats", "1", "--fusion", "fused", "unfused", "--modulation", "table", "computed"],
+                         cwd=ROOT / "bench", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert f"cpu (smoke: times mean nothing), {family} {blocks} blocks, torch.float32, 64x64" in text, text[-2000:]
+    rows = {m.group(1).strip(): float(m.group(2)) for m in
+            re.finditer(r"^(ours [^\d]+|diffusers)\s+2\s+([\d.]+)\s", text, re.M)}
+    assert set(rows) == {"ours eager fused table", "ours eager fused", "ours eager unfused table",
+                         "ours eager unfused", "diffusers"}, text[-2000:]
+    assert all(ms > 0 for ms in rows.values())
+    assert re.findall(r"^fused modules: (\d+)$", text, re.M) == [str(fused)] * 2, text[-2000:]
+
+
+def test_refuses_what_cannot_run():
+    run = [sys.executable, str(ROOT / "bench" / "rollout_forward.py"), "--family", "sd3", "--smoke", "--fusion",
+           "qkv-sum"]
+    out = subprocess.run(run, cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--fusion qkv-sum patches Qwen-Image's attention; expected --family qwen_image, " \
+                                   "got sd3" in out.stderr
