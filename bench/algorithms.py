@@ -16,7 +16,8 @@ passes), stated in row-forwards (one DiT forward of one 16x16 digit at the promp
 ``--base-steps`` RL steps of FlowGRPO (SDE); every other cell runs round(budget / its probed step cost) steps (a
 one-step probe at seed 0 measures that cost), so the forwards actually spent differ by under half a step; the table
 gives them.  The half-way evaluation splits a run in two ``train`` calls (the second resumes the first's
-checkpoint: the loop's resume is bit-exact).
+checkpoint: the loop's resume is bit-exact).  FlowGRPO (CPS) draws its SDE window's start from 0 .. num_steps −
+window − 1: CPS's last step has std 0, so no window may reach it (the other cells keep the recipe's any-start).
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ SMOKE = ["train.micro_batch_size=8", "train.global_batch_size=16", "rollout.prom
 BASELINE = "flow_grpo (sde)"
 
 
-def cells() -> dict[str, list[str]]:
-    """label -> overrides: every registered algorithm, FlowGRPO once per sampler."""
+def cells(cfg) -> dict[str, list[str]]:
+    """label -> overrides: every registered algorithm, FlowGRPO once per sampler (``cfg``: the common run config)."""
     from megatron_omni.algorithms import algorithm_names
 
     out = {}
@@ -46,6 +47,9 @@ def cells() -> dict[str, list[str]]:
         if name == "flow_grpo":
             for sampler in ("sde", "cps", "dance"):
                 out[f"flow_grpo ({sampler})"] = ["algorithm.name=flow_grpo", f"rollout.sampler={sampler}"]
+            # CPS's last step has std 0 (no Gaussian log-prob): its window starts early enough to end before it
+            last_start = cfg.rollout.num_steps - cfg.rollout.window_size - 1
+            out["flow_grpo (cps)"].append(f"rollout.window_range=[0,{last_start}]")
         else:
             out[name] = [f"algorithm.name={name}"]
     return out
@@ -128,13 +132,13 @@ class Bench:
         ckpt, before = self.pretrained()
         print(f"pretrained {ckpt}: reward {before['reward']:.3f} judge {before['judge']:.3f}", flush=True)
         probes = {}
-        for label, overrides in cells().items():
+        for label, overrides in cells(self.cfg).items():
             _, done = self.train(f"probe {label}", overrides, 0, 1, ckpt)
             probes[label] = step_flops(done[0])
         budget = self.args.base_steps * probes[BASELINE]
         unit = row_forward_flops(self.cfg, self.task)
         results = []
-        for label, overrides in cells().items():
+        for label, overrides in cells(self.cfg).items():
             steps = max(1, round(budget / probes[label]))
             for seed in self.args.seeds:
                 r = self.cell(label, overrides, seed, steps, ckpt)
