@@ -42,6 +42,12 @@ class Algorithm:
     def needs_reference(self, cfg) -> bool:
         return self.reference != "none"
 
+    def build_state(self, cfg, policy):
+        """The algorithm's own state between RL steps (``Run.algorithm_state``, e.g. an EMA of the policy), built
+        before a checkpoint is loaded; checkpointed with the weights through ``sharded_state_dict(model_sd)`` and
+        ``load(loaded)`` (megatron_omni.algorithms.ema_policy).  None: the algorithm keeps none."""
+        return None
+
     def forward_step(self, cfg, reference):
         """megatron-core ``forward_step_func`` whose ``loss_func`` is this algorithm's loss."""
         raise NotImplementedError

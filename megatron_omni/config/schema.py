@@ -305,6 +305,10 @@ class DiffusionNFTConfig:
     beta: float = 0.5  # β of the implicit positive / negative velocities, in (0, 1]
     timesteps_per_sample: int = 4  # training rows per sample, at distinct steps of the rollout's schedule
     ref_weight: float = 0.0  # λ of the flow-matching term to the initial policy; 0 = none (no reference forward)
+    # the previous policy v_old comes from: "copy" = the rollout's weights (refreshed every RL step); "ema" = an EMA
+    # of the weights, θ_old ← ema_decay·θ_old + (1 − ema_decay)·θ after each RL step (from the initial weights)
+    old_policy: Literal["copy", "ema"] = "copy"
+    ema_decay: float = 0.9
 
 
 @dataclass

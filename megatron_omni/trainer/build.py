@@ -55,6 +55,7 @@ class Run:
     logger: RunLogger
     forward_step: Callable  # megatron forward_step_func computing the algorithm's loss
     text_cache: TextTable = field(default_factory=dict)
+    algorithm_state: Any = None  # the algorithm's state between steps (Algorithm.build_state), checkpointed
 
     @property
     def family(self):
@@ -271,9 +272,10 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not
     forward_step = algorithm.forward_step(cfg, reference_policy(cfg, policy, algorithm))
     checkpointer = Checkpointer(run_dir / "checkpoints", run_config=config_to_yaml(cfg))
+    algorithm_state = algorithm.build_state(cfg, policy)  # from the initial weights; a resume loads its own
     start = 0
     if resume and checkpointer.latest_step() is not None:
-        start = checkpointer.load(policy.model, policy.optimizer)["step"] + 1
+        start = checkpointer.load(policy.model, policy.optimizer, algorithm_state=algorithm_state)["step"] + 1
     engine = _build_engine(cfg, state, task, policy)
     fns = {"reward": build_reward(cfg.reward.name, **cfg.reward.options)}
     if cfg.reward.judge:
@@ -285,7 +287,8 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
                        config=_plain_config(cfg), start_step=start, curve_keys=tuple(f"{k}_mean" for k in fns),
                        log_every=cfg.logging.log_every, enabled=state.rank == 0)  # the metrics are alike everywhere
     run = Run(cfg, task, algorithm, policy, engine, _updater(cfg, policy, engine),
-              AsyncRewardPool(fns, num_workers=cfg.reward.workers), checkpointer, logger, forward_step)
+              AsyncRewardPool(fns, num_workers=cfg.reward.workers), checkpointer, logger, forward_step,
+              algorithm_state=algorithm_state)
     run.updater.push()
     return run, start
 

@@ -36,11 +36,14 @@ class Checkpointer:
             raise FileNotFoundError(f"{latest} names step {step} but {self.root / _name(step)} is missing")
         return step
 
-    def _state(self, model, optimizer, is_loading: bool) -> dict[str, Any]:
+    def _state(self, model, optimizer, is_loading: bool, algorithm_state=None) -> dict[str, Any]:
         model_sd = weights_sharded_state_dict(model)
-        return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        if algorithm_state is not None:  # e.g. an EMA of the policy (megatron_omni.algorithms.base)
+            state["algorithm_state"] = algorithm_state.sharded_state_dict(model_sd)
+        return state
 
-    def save(self, step: int, model, optimizer, extra: dict[str, Any]) -> Path:
+    def save(self, step: int, model, optimizer, extra: dict[str, Any], algorithm_state=None) -> Path:
         apply_cpu_compat()
         final, partial = self.root / _name(step), self.root / f".{_name(step)}.partial"
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -48,7 +51,7 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier()
-        state = self._state(model, optimizer, is_loading=False)
+        state = self._state(model, optimizer, is_loading=False, algorithm_state=algorithm_state)
         state["loop"] = {"step": step, **extra}
         with cuda_factories_on_cpu():
             dist_checkpointing.save(state, str(partial))
@@ -65,16 +68,20 @@ class Checkpointer:
         _barrier()
         return final
 
-    def load(self, model, optimizer, step: int | None = None) -> dict[str, Any]:
-        """Load into the model and optimizer in place; returns the loop state saved with them."""
+    def load(self, model, optimizer, step: int | None = None, algorithm_state=None) -> dict[str, Any]:
+        """Load into the model, the optimizer and ``algorithm_state`` in place; returns the loop state saved with
+        them."""
         apply_cpu_compat()
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {self.root} to resume from")
         with cuda_factories_on_cpu():
-            state = dist_checkpointing.load(self._state(model, optimizer, is_loading=True), str(self.root / _name(step)))
+            state = dist_checkpointing.load(self._state(model, optimizer, True, algorithm_state),
+                                            str(self.root / _name(step)))
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
+        if algorithm_state is not None:
+            algorithm_state.load(state["algorithm_state"])
         return state["loop"]
 
     def _prune(self, newest: int) -> None:

@@ -99,6 +99,25 @@ def test_diffusion_nft(tmp_path, single_rank, task):
 
 
 @pytest.mark.numerics
+def test_diffusion_nft_ema_old_policy(tmp_path, single_rank, task):
+    """old_policy=ema at decay 0 is the last update's weights, i.e. the copy: every metric equal to the copy run's;
+    at decay 0.5 the first step is the copy's too (θ_ema = θ_0 = the rollout's), the second's v_old lags the
+    rollout's weights, so its loss differs."""
+    base = ["algorithm.name=diffusion_nft", *TINY, "algorithm.diffusion_nft.timesteps_per_sample=2"]
+    runs = {}
+    for label, extra in (("copy", []), ("ema0", ["algorithm.diffusion_nft.ema_decay=0"]),
+                         ("ema5", ["algorithm.diffusion_nft.ema_decay=0.5"])):
+        old = "copy" if label == "copy" else "ema"
+        cfg = load_config("digits_flow_grpo", None, [*base, f"algorithm.diffusion_nft.old_policy={old}", *extra])
+        train(cfg, single_rank, task, tmp_path / label)
+        runs[label] = _metrics(tmp_path / label)
+    assert runs["ema0"] == runs["copy"]
+    assert runs["ema5"][0] == runs["copy"][0]
+    assert runs["ema5"][1]["loss"] != runs["copy"][1]["loss"]
+    assert runs["ema5"][1]["reward_mean"] == runs["copy"][1]["reward_mean"]  # the rollout is the policy's either way
+
+
+@pytest.mark.numerics
 def test_srpo(tmp_path, single_rank, task):
     """ODE rollouts; 8 samples x 2 rows = 16 rows, one optimizer step, the digit CNN's gradient through x̂0 with a
     negative prompt: r(x̂0 | its digit) − r(x̂0 | one)."""
@@ -130,17 +149,20 @@ def _metrics(run_dir):
             for line in lines]
 
 
+# "<algorithm>[:variant]" -> overrides
 RESUMED = {"mix_grpo": ["algorithm.mix_grpo.window_mode=random"], "grpo_guard": [], "flow_dppo": [],
            "dance_grpo": [], "diffusion_dpo": [], "diffusion_nft": ["algorithm.diffusion_nft.timesteps_per_sample=2"],
+           "diffusion_nft:ema": ["algorithm.diffusion_nft.timesteps_per_sample=2",
+                                 "algorithm.diffusion_nft.old_policy=ema", "algorithm.diffusion_nft.ema_decay=0.5"],
            "srpo": []}
 
 
-@pytest.mark.parametrize("name", sorted(RESUMED))
-def test_killed_run_resumes_exactly(tmp_path, single_rank, task, name):
+@pytest.mark.parametrize("case", sorted(RESUMED))
+def test_killed_run_resumes_exactly(tmp_path, single_rank, task, case):
     """Every draw is seeded by (seed, step, index): killed after step 1 (checkpoint after step 0) and resumed, the
-    run logs the uninterrupted run's metrics bit for bit."""
-    cfg = load_config("digits_flow_grpo", None, [f"algorithm.name={name}", *TINY, "train.steps=3",
-                                                 "train.save_every=1", *RESUMED[name]])
+    run logs the uninterrupted run's metrics bit for bit (DiffusionNFT's EMA old policy: from the checkpoint)."""
+    cfg = load_config("digits_flow_grpo", None, [f"algorithm.name={case.split(':')[0]}", *TINY, "train.steps=3",
+                                                 "train.save_every=1", *RESUMED[case]])
     train(cfg, single_rank, task, tmp_path / "whole")
     train(cfg, single_rank, task, tmp_path / "killed", stop_after=2)
     assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "0"

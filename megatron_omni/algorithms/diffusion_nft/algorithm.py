@@ -2,22 +2,25 @@
 advantages, and the negative-aware flow-matching loss of ``diffusion_nft.loss`` on each sample's clean x0 noised at
 a few of the schedule's timesteps, against the old policy (docs/algorithms.md, DiffusionNFT).
 
-The old policy is the rollout's (a copy refreshed every RL step): its velocities come from one forward-only pass
-before the step's first update, so they stay the rollout's through every optimizer step of the RL step.  The
-rollout samples with the ODE whatever rollout.sampler / noise_level / window say (those are the SDE algorithms'),
-so the step's reward_mean is already the ODE policy's reward.  Settings: algorithm.diffusion_nft.{beta,
-timesteps_per_sample, ref_weight}; algorithm.adv_std / adv_clip_max (A_max) as FlowGRPO's.
+The old policy (``old_policy``) is the rollout's weights ("copy", refreshed every RL step) or an EMA of the weights
+("ema": megatron_omni.algorithms.ema_policy, ``Run.algorithm_state``, updated after each RL step and checkpointed);
+its velocities come from one forward-only pass before the step's first update (the EMA swapped in for it), so they
+stay fixed through every optimizer step of the RL step.  The rollout samples with the ODE whatever
+rollout.sampler / noise_level / window say (those are the SDE algorithms'), so the step's reward_mean is already the
+ODE policy's reward.  Settings: algorithm.diffusion_nft.{beta,
+timesteps_per_sample, ref_weight, old_policy, ema_decay}; algorithm.adv_std / adv_clip_max (A_max) as FlowGRPO's.
 """
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import replace
-
 
 from megatron_omni.algorithms.base import RecordSpec
 from megatron_omni.algorithms.clean_samples import rows_flops, text_length, train_steps
 from megatron_omni.algorithms.diffusion_nft.loss import NFTLossConfig
 from megatron_omni.algorithms.diffusion_nft.step import nft_forward_step, nft_microbatches, with_old_velocity
+from megatron_omni.algorithms.ema_policy import EMAPolicy
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
 from megatron_omni.rollout.engine import Trajectory
 
@@ -35,12 +38,18 @@ class DiffusionNFT(FlowGRPO):
         if not 1 <= n.timesteps_per_sample <= cfg.rollout.num_steps:
             raise ValueError(f"diffusion_nft.timesteps_per_sample: {n.timesteps_per_sample} is outside "
                              f"1..rollout.num_steps={cfg.rollout.num_steps}")
+        if not 0 <= n.ema_decay < 1:
+            raise ValueError(f"diffusion_nft.ema_decay: {n.ema_decay} is outside [0, 1) (0: the last update's weights)")
         if n.ref_weight > 0 and cfg.parallel.pp > 1:
             raise ValueError(f"diffusion_nft.ref_weight: the reference term's inline forward needs parallel.pp=1, "
                              f"got {cfg.parallel.pp}")
 
     def needs_reference(self, cfg) -> bool:
         return cfg.algorithm.diffusion_nft.ref_weight > 0
+
+    def build_state(self, cfg, policy) -> EMAPolicy | None:
+        n = cfg.algorithm.diffusion_nft
+        return EMAPolicy(policy.modules or [policy.module], n.ema_decay) if n.old_policy == "ema" else None
 
     def reuses_uncond(self, cfg) -> bool:
         return False
@@ -61,8 +70,13 @@ class DiffusionNFT(FlowGRPO):
         cfg = run.cfg
         mbs = nft_microbatches(trajs, advantages.advantages, text, cfg.algorithm.diffusion_nft.timesteps_per_sample,
                                cfg.train.micro_batch_size, cfg.rollout.text_pad_multiple)
-        mbs = with_old_velocity(run, mbs)
-        return {**train_steps(run, mbs), "zero_std_ratio": advantages.zero_std_ratio}
+        ema = run.algorithm_state  # None: the old policy is the rollout's weights, the policy's own now
+        with ema.swapped_in() if ema is not None else nullcontext():
+            mbs = with_old_velocity(run, mbs)
+        summary = train_steps(run, mbs)
+        if ema is not None:
+            ema.update()
+        return {**summary, "zero_std_ratio": advantages.zero_std_ratio}
 
     def flops(self, run, trajs: list[Trajectory], text) -> float:
         """The ODE rollout, the old policy's forward over every training row, the rows' forward + backward and,
