@@ -1,4 +1,4 @@
-"""The joint q / k norm + RoPE kernel (model_specs/qwen_image/qk_norm_rope.py) at the rollout's shape — full-size
+"""The joint q / k norm + RoPE kernel (model_specs/common/qk_norm_rope.py) at the rollout's shape — full-size
 Qwen-Image, batch 32 (16 images x cond / uncond; --batch), 1024 image + 128 text tokens, 24 heads x 128, bf16 —
 over its launch configuration: heads per loop step x warps per program, with and without a LoRA output to add.
 Prints the traffic floor (reading QKV and the LoRA output, writing q, k, v once at 4.8 TB/s) and one line per
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-import model_specs.qwen_image.qk_norm_rope as kernel
+import model_specs.common.qk_norm_rope as kernel
 from _profile import median_ms
 from model_specs.qwen_image.conditioning import rope_freqs
 

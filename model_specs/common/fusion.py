@@ -4,7 +4,8 @@ A module takes part by having ``fusable() -> str`` ('' when its fused path compu
 does for this configuration, else why not), a ``fused`` flag its forward reads (the fused path runs only
 with autograd off: its kernels have no backward) and ``refresh_fused()`` (rebuild whatever it derives
 from the weights; called again after every weight change).  Members: ``gelu_mlp.GeluMLP`` (fc1 + GELU
-epilogue) and the Qwen-Image ``JointAttention`` (q / k norm + RoPE + joint layout in one kernel).
+epilogue), the Qwen-Image ``JointAttention`` (q / k norm + RoPE + joint layout in one kernel) and SD3's
+``JointAttention`` / ``SelfAttention`` (the same kernel without rotation).
 """
 from __future__ import annotations
 

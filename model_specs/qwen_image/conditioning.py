@@ -130,16 +130,6 @@ def _rope_freqs(img_fhw, text_len, axes_dims, theta, device):
     return torch.view_as_real(img).to(device), torch.view_as_real(txt).to(device)
 
 
-def apply_rope(x_SBND: torch.Tensor, freqs_SD2: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs (2i, 2i+1) of q or k by (cos, sin) [S, D/2, 2], in float32:
-    (a, b) -> (a cos - b sin, a sin + b cos), the complex product diffusers computes."""
-    s, b, n, d = x_SBND.shape
-    a, b_ = x_SBND.float().reshape(s, b, n, d // 2, 2).unbind(-1)
-    cos, sin = freqs_SD2[:, None, None, :, 0], freqs_SD2[:, None, None, :, 1]
-    out = torch.stack([a * cos - b_ * sin, a * sin + b_ * cos], dim=-1).flatten(3)
-    return out.type_as(x_SBND)
-
-
 def joint_attention_mask(text_mask_BT: torch.Tensor | None, image_len: int) -> torch.Tensor | None:
     """[B, 1, 1, S_T + S_I] bool mask for joint attention (image tokens always visible).
 

@@ -12,8 +12,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from model_specs.common.fusion import column_parts
-from model_specs.qwen_image.conditioning import QwenImageConditioning, apply_rope
-from model_specs.qwen_image.qk_norm_rope import joint_qk_norm_rope
+from model_specs.common.qk_norm_rope import apply_rope, joint_qk_norm_rope, rms_norms_fusable
+from model_specs.qwen_image.conditioning import QwenImageConditioning
 from model_specs.qwen_image.spec import JointAttentionSubmodules, QwenImageBlockSubmodules
 
 
@@ -54,12 +54,7 @@ class JointAttention(MegatronModule):
 
     def fusable(self) -> str:
         """'' when ``joint_qk_norm_rope`` computes what the plain path does here; else why not."""
-        norms = (self.q_layernorm, self.k_layernorm, self.added_q_layernorm, self.added_k_layernorm)
-        if not all(isinstance(n, torch.nn.RMSNorm) and n.weight is not None and n.eps is not None for n in norms):
-            return "the q / k norms are not torch.nn.RMSNorm with a weight and an explicit eps"
-        if len({n.eps for n in norms}) != 1:
-            return f"the q / k norms have different eps {sorted({n.eps for n in norms})}"
-        return ""
+        return rms_norms_fusable(self.q_layernorm, self.k_layernorm, self.added_q_layernorm, self.added_k_layernorm)
 
     def refresh_fused(self) -> None:
         """Nothing derived from the weights: the kernel reads the norms' weights as they are."""

@@ -4,6 +4,10 @@ Layout: Megatron's [s, b, h].  A block takes and returns ONE joint hidden state 
 a pipeline stage boundary carries a single tensor; the split point is ``cond.text_len``.  The last block
 (``context_pre_only``) leaves the text rows as they came: nothing reads them after it.
 Legend: S sequence, B batch, H hidden, N local heads, D head dim, T text tokens, I image tokens (this CP rank's).
+
+Inference fusions (model_specs.common.fusion, the engine's ``rollout.fuse``): both attentions prepare q / k / v with
+``joint_qk_norm_rope`` (the QKV bias and a LoRA output added, per-head RMSNorm, no rotation, the joint layout: one
+Triton pass on CUDA) once ``fused`` is set and autograd is off; the MLPs are ``GeluMLP`` (fc1 + GELU epilogue).
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from model_specs.common.fusion import column_parts
+from model_specs.common.qk_norm_rope import joint_qk_norm_rope, rms_norms_fusable
 from model_specs.sd3.conditioning import SD3Conditioning
 from model_specs.sd3.spec import JointAttentionSubmodules, SD3BlockSubmodules, SelfAttentionSubmodules
 
@@ -36,7 +42,30 @@ def _heads(linear, q_norm, k_norm, x_SBH: torch.Tensor, heads: int, head_dim: in
     return q_norm(q), k_norm(k), v
 
 
-class JointAttention(MegatronModule):
+def _stream(linear, q_norm, k_norm, x_SBH: torch.Tensor) -> tuple:
+    """A stream of ``joint_qk_norm_rope``: (QKV product, q / k norm weights, no rotation, bias, LoRA output)."""
+    product, bias, lora = column_parts(linear, x_SBH)
+    return product, q_norm.weight, k_norm.weight, None, bias, lora
+
+
+class _FusedQKV:
+    """The fusion protocol (model_specs.common.fusion) of an attention whose q / k norms the kernel computes."""
+
+    fused = False  # set by model_specs.common.fusion.fuse_inference
+
+    def fusable(self) -> str:
+        """'' when ``joint_qk_norm_rope`` computes what the plain path does here (SD3.5's RMS q / k norms); else
+        why not (SD3.0 has no q / k norm)."""
+        return rms_norms_fusable(*self.qk_norms())
+
+    def refresh_fused(self) -> None:
+        """Nothing derived from the weights: the kernel reads the norms' weights as they are."""
+
+    def takes_fused_path(self) -> bool:
+        return self.fused and not torch.is_grad_enabled()  # the kernel has no backward
+
+
+class JointAttention(_FusedQKV, MegatronModule):
     """diffusers ``Attention`` + ``JointAttnProcessor2_0``: per-stream QKV and q / k norm, one attention over
     [text; image] (no positional rotation: SD3 adds its positions at the patch embedding), per-stream output
     projections; the text one absent with ``context_pre_only``.  Heads are split over TP."""
@@ -60,14 +89,25 @@ class JointAttention(MegatronModule):
         self.linear_added_proj = None if context_pre_only else build_module(
             submodules.linear_added_proj, hidden, hidden, **_linear_kwargs(config, tp_group, "proj", column=False))
 
-    def forward(self, img_SBH, txt_SBH, cond: SD3Conditioning):
-        """(image output [I, B, H], text output [T, B, H] or None with ``context_pre_only``)."""
+    def qk_norms(self) -> tuple:
+        return self.q_layernorm, self.k_layernorm, self.added_q_layernorm, self.added_k_layernorm
+
+    def _qkv(self, img_SBH, txt_SBH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of the joint [text; image] sequence, each [T + I, B, N, D]."""
+        if self.takes_fused_path():
+            return joint_qk_norm_rope(_stream(self.linear_added_qkv, self.added_q_layernorm, self.added_k_layernorm,
+                                              txt_SBH),
+                                      _stream(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH),
+                                      heads=self.local_heads, eps=self.q_layernorm.eps)
         qi, ki, vi = _heads(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH, self.local_heads,
                             self.head_dim)
         qt, kt, vt = _heads(self.linear_added_qkv, self.added_q_layernorm, self.added_k_layernorm, txt_SBH,
                             self.local_heads, self.head_dim)
-        out_SBND = self.core_attention(torch.cat([qt, qi]), torch.cat([kt, ki]), torch.cat([vt, vi]),
-                                       cond.attn_mask_B11S, text_len=cond.text_len)
+        return torch.cat([qt, qi]), torch.cat([kt, ki]), torch.cat([vt, vi])
+
+    def forward(self, img_SBH, txt_SBH, cond: SD3Conditioning):
+        """(image output [I, B, H], text output [T, B, H] or None with ``context_pre_only``)."""
+        out_SBND = self.core_attention(*self._qkv(img_SBH, txt_SBH), cond.attn_mask_B11S, text_len=cond.text_len)
         img_out, _ = self.linear_proj(out_SBND[cond.text_len:])
         if self.linear_added_proj is None:
             return img_out, None
@@ -75,7 +115,7 @@ class JointAttention(MegatronModule):
         return img_out, txt_out
 
 
-class SelfAttention(MegatronModule):
+class SelfAttention(_FusedQKV, MegatronModule):
     """The MMDiT-X block's ``attn2``: diffusers ``Attention`` (no added projections) over the image tokens alone.
     Under context parallelism the same USP core runs with no text rows: image tokens split over the CP group."""
 
@@ -91,9 +131,17 @@ class SelfAttention(MegatronModule):
         self.linear_proj = build_module(submodules.linear_proj, hidden, hidden,
                                         **_linear_kwargs(config, tp_group, "proj", column=False))
 
+    def qk_norms(self) -> tuple:
+        return self.q_layernorm, self.k_layernorm
+
     def forward(self, img_SBH):
-        q, k, v = _heads(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH, self.local_heads,
-                         self.head_dim)
+        if self.takes_fused_path():  # the kernel's text stream left empty
+            image = _stream(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH)
+            q, k, v = joint_qk_norm_rope((image[0][:0], *image[1:4]), image, heads=self.local_heads,
+                                         eps=self.q_layernorm.eps)
+        else:
+            q, k, v = _heads(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH, self.local_heads,
+                             self.head_dim)
         out, _ = self.linear_proj(self.core_attention(q, k, v, None, text_len=0))
         return out
 

@@ -151,7 +151,7 @@ def _kernel_vs_torch_ops(device: str, dtypes, heads: int, head_dim: int, added: 
     With a bias and a LoRA output to add: v (no norm after the sum) equals the float32 sum rounded once, bit
     for bit, as the separate fused add computed it."""
     from model_specs.qwen_image.conditioning import rope_freqs
-    from model_specs.qwen_image.qk_norm_rope import _reference, joint_qk_norm_rope
+    from model_specs.common.qk_norm_rope import _reference, joint_qk_norm_rope
 
     g = torch.Generator(device=device).manual_seed(0)
     width, b = 3 * heads * head_dim, 3
