@@ -9,7 +9,8 @@ optionally with a LoRA folder or a training checkpoint on it, exactly as the pip
 Line i of the prompt file is sampled with seed S + i (a JSONL line's own ``"seed"`` / ``"negative_prompt"`` win):
 its initial latents are what the pipeline draws from ``torch.Generator().manual_seed(seed)``, then Euler steps
 over the pipeline's own sigma schedule.  True CFG runs when the pipeline's ``__call__`` runs it: a negative prompt
-is given (an empty one counts) and the scale is > 1.  So in float32 an image is the pipeline's ``pipe(prompt,
+is given (an empty one counts) and the scale is > 1 (an SD3 folder: whenever the scale is > 1, as
+``StableDiffusion3Pipeline``, the negative prompt "" unless one is given).  So in float32 an image is the pipeline's ``pipe(prompt,
 negative_prompt=..., true_cfg_scale=G, height=H, width=W, num_inference_steps=N, generator=...)`` image; the
 defaults are that call's (50 steps, scale 4, no negative prompt, 1024 x 1024 = QwenImagePipeline's
 default_sample_size 128 x VAE factor 8).
@@ -61,8 +62,8 @@ class GenerateOptions:
     height: int | None = None  # None: DEFAULT_SIZE, or an edit's source size (the only one an edit takes)
     width: int | None = None
     steps: int = 50
-    guidance: float = 4.0  # true CFG scale (the pipeline's true_cfg_scale); used only with a negative prompt
-    negative_prompt: str | None = None  # for every line without its own; None: no CFG
+    guidance: float = 4.0  # CFG scale (QwenImagePipeline's true_cfg_scale, there only with a negative prompt)
+    negative_prompt: str | None = None  # for every line without its own; None: no CFG (SD3: CFG against "")
     seed: int = 0  # line i's seed is seed + i
     batch_size: int = 1  # requests per forward (CFG doubles the rows); never changes a sample
     dtype: str = "bfloat16"
@@ -284,10 +285,12 @@ def decode_samples(parts, trajs) -> list[torch.Tensor]:
 
 
 def request_for(entry: dict, img_fhw: tuple[int, int, int], sigmas: tuple[float, ...], family):
-    """The ODE request of one line; CFG exactly when QwenImagePipeline runs it (negative prompt and scale > 1)."""
+    """The ODE request of one line; CFG exactly when the family's pipeline runs it: scale > 1 and, for Qwen-Image, a
+    negative prompt (``ModelFamily.cfg_needs_negative_prompt``; SD3's negative is then "")."""
     from megatron_omni.rollout.engine import Request
 
-    cfg = entry["negative_prompt"] is not None and entry["guidance"] > 1
+    negative_given = entry["negative_prompt"] is not None or not family.cfg_needs_negative_prompt
+    cfg = negative_given and entry["guidance"] > 1
     return Request(prompt=entry["prompt"], prompt_id=entry["index"], negative_prompt=entry["negative_prompt"] or "",
                    seed=entry["seed"], img_fhw=img_fhw, num_steps=entry["steps"], sigmas=sigmas, sampler="ode",
                    guidance_scale=entry["guidance"] if cfg else 1.0, cfg_rescale=family.guidance_rescale)
@@ -417,9 +420,11 @@ SETTINGS = (("--height", int, "H", f"image height in pixels (default: {DEFAULT_S
                                    f"one it takes), e.g. --height 512"),
             ("--width", int, "W", f"image width in pixels (default: {DEFAULT_SIZE}; an edit: its source's), e.g. --width 768"),
             ("--steps", int, "N", "sampling steps, e.g. --steps 30"),
-            ("--guidance", float, "G", "true CFG scale, applied only with a negative prompt, e.g. --guidance 5"),
-            ("--negative-prompt", str, "TEXT", "negative prompt of the lines without their own; without one there "
-                                               "is no CFG (the pipeline's rule), e.g. --negative-prompt ' '"),
+            ("--guidance", float, "G", "CFG scale; Qwen-Image: true CFG, applied only with a negative prompt; SD3: "
+                                       "CFG whenever > 1 (1 turns it off), e.g. --guidance 5"),
+            ("--negative-prompt", str, "TEXT", "negative prompt of the lines without their own; Qwen-Image: without "
+                                               "one there is no CFG (the pipeline's rule); SD3: \"\" when none is "
+                                               "given, e.g. --negative-prompt ' '"),
             ("--seed", int, "S", "line i uses seed S + i (a JSONL line's \"seed\" wins), e.g. --seed 42"),
             ("--batch-size", int, "B", "lines per forward (does not change an image), e.g. --batch-size 8"))
 

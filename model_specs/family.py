@@ -69,6 +69,9 @@ class ModelFamily:
     pipeline_classes: tuple[str, ...] = ()  # diffusers pipeline ``_class_name``s whose folders it loads
     edit_pipeline_classes: tuple[str, ...] = ()  # those of them that edit a source image (``pipeline(...).edit``)
     guidance_rescale: str | None = None  # CFG rule (rollout.samplers.cfg_combine): "token", "sample" or None
+    # generate's CFG rule: True as QwenImagePipeline (true CFG only with a negative prompt and scale > 1); False as
+    # StableDiffusion3Pipeline (CFG whenever guidance > 1, the negative prompt "" when none is given)
+    cfg_needs_negative_prompt: bool = True
     experts: tuple[str, ...] = ("transformer",)  # denoisers of one pipeline (Wan2.2 A14B: two, by sigma)
 
     # ---- arch config ------------------------------------------------------------------------------------

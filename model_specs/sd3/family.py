@@ -22,6 +22,7 @@ class SD3Family(ModelFamily):
     transformer_class = DIFFUSERS_CLASS
     pipeline_classes = ("StableDiffusion3Pipeline",)
     guidance_rescale = None  # plain CFG, as StableDiffusion3Pipeline
+    cfg_needs_negative_prompt = False  # the pipeline runs CFG for any guidance_scale > 1, negative "" by default
     lora_targets = SD3_LORA_TARGETS
 
     def default_arch(self) -> SD3Config:

@@ -66,13 +66,15 @@ def test_parts_equal_the_pipelines_steps(parts, pipe):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("negative", ["blurry", None], ids=["cfg", "no_cfg"])
-def test_generate_equals_diffusers(folder, pipe, tmp_path, negative):
-    options = GenerateOptions(H, W, STEPS, GUIDANCE if negative else 1.0, negative, SEED, 2, "float32", "cpu")
+@pytest.mark.parametrize("negative,guidance", [("blurry", GUIDANCE), (None, GUIDANCE), (None, 1.0)],
+                         ids=["cfg", "cfg_no_negative", "no_cfg"])
+def test_generate_equals_diffusers(folder, pipe, tmp_path, negative, guidance):
+    """``cfg_no_negative``: StableDiffusion3Pipeline runs CFG for any guidance_scale > 1, against "" by default."""
+    options = GenerateOptions(H, W, STEPS, guidance, negative, SEED, 2, "float32", "cpu")
     result = generate(folder, PromptDataset.from_prompts(PROMPTS), tmp_path / "out", options=options,
                       progress=False, keep_images=True)
     for i, prompt in enumerate(PROMPTS):
-        ref = pipe(prompt, negative_prompt=negative, guidance_scale=GUIDANCE if negative else 1.0, height=H,
+        ref = pipe(prompt, negative_prompt=negative, guidance_scale=guidance, height=H,
                    width=W, num_inference_steps=STEPS, generator=torch.Generator().manual_seed(SEED + i),
                    output_type="pt").images[0]
         err = rel_err(result.images[i], ref)
