@@ -1,7 +1,9 @@
 """Online Diffusion-DPO: the loss and its gradients by hand (pairs on both sides of the margin), best / worst pairs
 per group (ties, a group without preference), the pairs' shared noise and timestep, and the loss inside megatron's
-forward_backward_func against the adapters-off reference equal to plain autograd."""
+forward_backward_func against the adapters-off reference (its errors from a forward-only pass of the schedule) equal
+to plain autograd."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,10 +84,16 @@ def test_loss_in_forward_backward_matches_plain_autograd(single_rank):
             for k in range(2)}
     mbs = dpo_microbatches(trajs, [0, 5, 2], [3, 4, 7], text, size=2)  # a micro-batch of 2 pairs, then one of 1
     cfg = load_config("digits_flow_grpo", None, ["algorithm.name=diffusion_dpo", f"algorithm.diffusion_dpo.beta={BETA}"])
+    forward_step = DPO.forward_step(cfg, None)
+    with cuda_factories_on_cpu(), disable_adapters(model):  # the reference's pass (with_reference_errors' schedule)
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
+            seq_length=1, micro_batch_size=2, forward_only=True, collect_non_loss_data=True)
+    mbs = [replace(mb, ref_error=o["error"]) for mb, o in zip(mbs, out)]
     model.zero_grad(set_to_none=True)
     with cuda_factories_on_cpu():
         metrics = get_forward_backward_func()(
-            forward_step_func=DPO.forward_step(cfg, disable_adapters), data_iterator=iter(mbs), model=model,
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
             num_microbatches=len(mbs), seq_length=1, micro_batch_size=2)
     megatron = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)

@@ -1,6 +1,8 @@
 """Online Diffusion-DPO on the Algorithm interface: FlowGRPO's requests (groups of samples per prompt), the best
 and the worst sample of each group as a preference pair, and the DPO loss against the initial policy (LoRA:
-adapters off; full fine-tune: a frozen copy) inside megatron-core's schedule (docs/algorithms.md, Diffusion-DPO).
+adapters off; full fine-tune: a float32 copy of the initial weights, ``Run.algorithm_state``, swapped in) inside
+megatron-core's schedule (docs/algorithms.md, Diffusion-DPO).  The reference's errors come from a forward-only
+pass before training, so it runs at every layout the loop does (PP included).
 
 Only final samples are used: the rollout's log-probs are not read and there is no log-prob check.  A group whose
 rewards are all equal has no preference and gives no pair (``zero_std_ratio``).  ``train.micro_batch_size``
@@ -10,14 +12,16 @@ micro-batches make one optimizer step.  Settings: algorithm.diffusion_dpo.beta.
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass
-
 
 from megatron_omni.algorithms.base import RecordSpec
 from megatron_omni.algorithms.clean_samples import rows_flops, text_length, train_steps
-from megatron_omni.algorithms.diffusion_dpo.step import dpo_forward_step, dpo_microbatches
+from megatron_omni.algorithms.diffusion_dpo.step import dpo_forward_step, dpo_microbatches, with_reference_errors
+from megatron_omni.algorithms.ema_policy import EMAPolicy
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
 from megatron_omni.rollout.engine import Trajectory
+from model_specs.common.lora import disable_adapters
 
 
 @dataclass
@@ -52,12 +56,23 @@ class DiffusionDPO(FlowGRPO):
     def check_config(self, cfg) -> None:
         if not cfg.algorithm.diffusion_dpo.beta > 0:
             raise ValueError(f"diffusion_dpo.beta: expected > 0, got {cfg.algorithm.diffusion_dpo.beta}")
-        if cfg.parallel.pp > 1:
-            raise ValueError(f"diffusion_dpo: its inline reference forward needs parallel.pp=1, got "
-                             f"{cfg.parallel.pp}")
 
     def needs_reference(self, cfg) -> bool:
-        return True
+        return False  # no inline reference: its weights are put in place for a pass of their own (reference_weights)
+
+    def build_state(self, cfg, policy) -> EMAPolicy | None:
+        """Full fine-tune: the initial weights (an average never updated), checkpointed; LoRA: none (adapters off)."""
+        return EMAPolicy(policy.modules or [policy.module], decay=0.0) if cfg.lora.rank == 0 else None
+
+    def reference_weights(self, run) -> ExitStack:
+        """Inside: the policy's modules compute the initial policy (LoRA adapters off, else the initial weights)."""
+        stack = ExitStack()
+        if run.cfg.lora.rank > 0:
+            for module in run.policy.modules or [run.policy.module]:
+                stack.enter_context(disable_adapters(module))
+        else:
+            stack.enter_context(run.algorithm_state.swapped_in())
+        return stack
 
     def reuses_uncond(self, cfg) -> bool:
         return False  # the loss runs the conditional velocity only
@@ -66,7 +81,7 @@ class DiffusionDPO(FlowGRPO):
         return RecordSpec(step_latents=False, log_probs=False)
 
     def forward_step(self, cfg, reference):
-        return dpo_forward_step(cfg.algorithm.diffusion_dpo.beta, reference)
+        return dpo_forward_step(cfg.algorithm.diffusion_dpo.beta)
 
     def check(self, run, trajs: list[Trajectory], text) -> dict[str, float]:
         return {}  # no log-probs are trained on
@@ -82,6 +97,7 @@ class DiffusionDPO(FlowGRPO):
             return summary  # no group had a preference: nothing to train
         mbs = dpo_microbatches(trajs, pairs.winners, pairs.losers, text, max(1, cfg.micro_batch_size // 2),
                                run.cfg.rollout.text_pad_multiple)
+        mbs = with_reference_errors(run, mbs, self.reference_weights(run))
         return {**summary, **train_steps(run, mbs)}
 
     def flops(self, run, trajs: list[Trajectory], text) -> float:

@@ -2,12 +2,14 @@
 
 Legend: B pairs, rows 2B (the winners, then the losers), I image tokens, C packed channels, T text tokens,
 E text width.  Each pair draws its ε [I, C] and t from its winner's request seed (draw ``NOISE_DRAW``), so a
-resumed run trains on the same noise.  The loss's reference forward runs inline, under no_grad, on the same rows
-(pipeline-parallel size 1: ``DiffusionDPO.check_config``).
+resumed run trains on the same noise.  The reference's errors come from one forward-only pass of the same
+micro-batches with the reference's weights in place before training (``with_reference_errors``): a pass of the
+schedule, so it runs at every layout (under PP a stage's input is the reference's own previous stage).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Iterator
 
@@ -16,7 +18,6 @@ import torch
 from megatron_omni.algorithms.clean_samples import noised, sample_generator
 from megatron_omni.algorithms.diffusion_dpo.loss import diffusion_dpo_loss, flow_matching_error
 from megatron_omni.algorithms.flow_grpo.microbatches import _text_rows
-from megatron_omni.algorithms.flow_grpo.step import ReferenceFn
 from megatron_omni.rollout.engine import Trajectory
 
 NOISE_DRAW = -5  # of a winner's request seed: its pair's ε and t
@@ -30,6 +31,7 @@ class DPOMicroBatch:
     txt: torch.Tensor  # [2B, T, E]
     txt_mask: torch.Tensor | None  # [2B, T] True = real token; None = all real
     img_fhw: tuple[int, int, int]
+    ref_error: torch.Tensor | None = None  # [2B] the reference's e; None before with_reference_errors
 
 
 def pair_noise(winner: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,28 +64,35 @@ def dpo_microbatches(trajs: list[Trajectory], winners: list[int], losers: list[i
     return out
 
 
-def loss_func(mb: DPOMicroBatch, beta: float, ref_out: torch.Tensor, output: torch.Tensor,
-              non_loss_data: bool = False):
-    """megatron ``loss_func``: (L, metrics); with ``non_loss_data`` the policy's detached per-row errors."""
+def with_reference_errors(run, mbs: list[DPOMicroBatch], reference: AbstractContextManager) -> list[DPOMicroBatch]:
+    """``mbs`` with the reference's e: one forward-only pass of the run's forward step inside ``reference`` (the
+    policy's modules hold the reference's weights there), on the last pipeline stage."""
+    with reference:
+        out, _ = run.run_microbatches(mbs, forward_only=True, collect_non_loss_data=True)
+    if not out:
+        return mbs
+    return [replace(mb, ref_error=o["error"]) for mb, o in zip(mbs, out)]
+
+
+def loss_func(mb: DPOMicroBatch, beta: float, output: torch.Tensor, non_loss_data: bool = False):
+    """megatron ``loss_func``: (L, metrics); with ``non_loss_data`` the detached per-row errors (the reference's
+    pass)."""
     err_2B = flow_matching_error(output, mb.target)
     if non_loss_data:
         return {"error": err_2B.detach()}
-    return diffusion_dpo_loss(err_2B, flow_matching_error(ref_out, mb.target), beta)
+    if mb.ref_error is None:
+        raise ValueError("the Diffusion-DPO loss needs the reference's errors: build the micro-batches with "
+                         "with_reference_errors")
+    return diffusion_dpo_loss(err_2B, mb.ref_error, beta)
 
 
-def dpo_forward_step(beta: float, reference: ReferenceFn):
-    """``forward_step_func(data_iterator, model)`` over ``DPOMicroBatch``es; ``reference(model)`` yields the
-    reference's module (e.g. model_specs.common.lora.disable_adapters)."""
-    if reference is None:
-        raise ValueError("diffusion_dpo needs a reference policy (the initial one): pass reference=")
+def dpo_forward_step(beta: float):
+    """``forward_step_func(data_iterator, model)`` over ``DPOMicroBatch``es."""
 
     def forward_step(data_iterator: Iterator[DPOMicroBatch], model: torch.nn.Module):
         mb = next(data_iterator)
         dtype = model.config.params_dtype
-        inputs = (mb.x_t.to(dtype), mb.txt.to(dtype), mb.t, mb.img_fhw, mb.txt_mask)
-        output = model(*inputs)
-        with torch.no_grad(), reference(model) as ref_model:
-            ref_out = ref_model(*inputs)
-        return output, partial(loss_func, mb, beta, ref_out)
+        output = model(mb.x_t.to(dtype), mb.txt.to(dtype), mb.t, mb.img_fhw, mb.txt_mask)
+        return output, partial(loss_func, mb, beta)
 
     return forward_step
