@@ -35,3 +35,13 @@ def test_two_steps_on_a_pipeline_folder(folder, tmp_path, name):
         if "logprob_abs_diff" in r:  # the ratio algorithms: true CFG re-scored to rounding
             assert r["logprob_abs_diff"] <= 1e-6
     assert ("logprob_abs_diff" in rows[0]) == (name not in ("diffusion_dpo", "diffusion_nft"))
+
+
+def test_srpo_on_a_pipeline_folder_is_refused_without_a_differentiable_reward():
+    """SRPO back-propagates the reward through the task's decode: the pipeline recipe's rewards (OCR, JPEG) have no
+    gradient, so the run is refused when its config is validated, naming the rewards that have one."""
+    from megatron_omni.config import ConfigError, load_config
+
+    for reward in ("ocr", "jpeg_compressibility"):
+        with pytest.raises(ConfigError, match=rf"reward.name='{reward}' has no gradient.*'digit_classifier'"):
+            load_config("qwen_image_flow_grpo", None, ["algorithm.name=srpo", f"reward.name={reward}"])
