@@ -52,7 +52,8 @@ def compile_blocks(model: torch.nn.Module, mode: str, blocks_per_graph: int | No
         raise ValueError(f"{type(model).__name__} has no .blocks run by a .block_runner to compile "
                          f"(model_specs.common.block_runner)")
     runner = BlockRunner(torch.compile(run_blocks, mode=mode, dynamic=None),
-                         BLOCKS_PER_GRAPH if blocks_per_graph is None else blocks_per_graph)
+                         BLOCKS_PER_GRAPH if blocks_per_graph is None else blocks_per_graph,
+                         recompute_layers=model.block_runner.recompute_layers)  # (activation recompute kept)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING" not in os.environ:  # (an explicit setting wins)
         torch._inductor.config.coordinate_descent_tuning = True

@@ -166,10 +166,19 @@ class TrainConfig:
     output_dir: str = "runs/demo"
     # torch.compile mode for the policy's blocks (forward + backward), e.g. "default"; None = eager
     compile: Optional[str] = None
+    # activation recompute in the training forward (megatron-core's recompute_granularity; model_specs.common.
+    # recompute): full = every recompute_num_layers blocks keep only their input and run again in the backward
+    # (megatron's uniform method); selective = each block's core attention only; none = everything kept
+    recompute: Literal["none", "full", "selective"] = "none"
+    recompute_num_layers: int = 1  # blocks per recomputed chunk of full recompute
 
     def validate(self) -> None:
         _require_positive("train", steps=self.steps, micro_batch_size=self.micro_batch_size,
-                          global_batch_size=self.global_batch_size)
+                          global_batch_size=self.global_batch_size, recompute_num_layers=self.recompute_num_layers)
+        if self.recompute != "full" and self.recompute_num_layers != 1:
+            raise ConfigError(f"train.recompute_num_layers: {self.recompute_num_layers} with train.recompute="
+                              f"{self.recompute}; it counts the blocks per chunk of full recompute: expected 1 or "
+                              f"train.recompute=full")
         if not self.lr > 0:
             raise ConfigError(f"train.lr: expected a float > 0, got {self.lr}")
         if self.eval_every < 0:
@@ -204,10 +213,16 @@ class DataConfig:
     eval_prompts: int = 16  # "pipeline": prompts held out of training for train.eval_every (distinct prompts)
     height: int = 512  # "pipeline": image size in pixels
     width: int = 512
+    # "pipeline": the text encoder and VAE in host memory while the policy trains, back on the device at the next
+    # encode / decode (megatron_omni.trainer.offload.PartsOffload; nothing moves on a CPU run)
+    offload_encoders: bool = False
 
     def validate(self) -> None:
         _require_positive("data", text_max_tokens=self.text_max_tokens, height=self.height, width=self.width,
                           eval_prompts=self.eval_prompts)
+        if self.offload_encoders and self.task != "pipeline":
+            raise ConfigError(f"data.offload_encoders: true with data.task={self.task!r}, whose text encoder lives "
+                              f"on the host already; expected false or data.task=pipeline")
 
 
 @dataclass
@@ -228,6 +243,9 @@ class RolloutConfig(EngineConfig):
     guidance_scale: float = 1.0  # > 1: true CFG with the empty prompt
     # torch.compile mode for the rollout model's blocks, e.g. "default"; None = eager
     compile: Optional[str] = None
+    # where a step's trajectories wait between the rollout and training: device, or host (pinned when the device is
+    # a GPU; each training micro-batch is copied to the device as the schedule reaches it: trainer/offload.py)
+    trajectories_on: Literal["device", "host"] = "device"
 
     def validate(self) -> None:
         try:

@@ -39,6 +39,13 @@ class Task:
     # (record, negative prompt, true CFG) -> Request fields of its own: an edit's context_latents and its
     # prompt / negative-prompt embeddings encoded with its source image; None: none (the engine encodes the text)
     request_inputs: Callable[[Any, str, bool], dict] | None = None
+    # its text encoder and VAE moved to host memory while the policy trains (data.offload_encoders); None: kept
+    offload: Any = None  # megatron_omni.trainer.offload.PartsOffload
+
+    def park(self) -> None:
+        """The text encoder and VAE to host memory until the next encode / decode needs them (``offload``)."""
+        if self.offload is not None:
+            self.offload.offload()
 
     def dataset(self, held_out: bool = False):
         """The training (``held_out``: eval) records as a PromptDataset, in the order of ``prompts``."""
@@ -79,6 +86,7 @@ def pipeline_task(cfg, device="cpu") -> Task:
     ``data.eval_prompts`` of them held out (a fixed split by ``train.seed``); images decode to uint8 [N, H, W, 3],
     what the image rewards read."""
     from megatron_omni.data.prompts import EditDataset, PromptDataset, load_ocr_prompts, split
+    from megatron_omni.trainer.offload import PartsOffload
 
     family, d = cfg.model.family_impl, cfg.data
     if cfg.model.path is None:
@@ -96,17 +104,23 @@ def pipeline_task(cfg, device="cpu") -> Task:
         dataset = PromptDataset.from_file(d.prompts) if d.prompts else load_ocr_prompts()
     train, held_out = split(dataset, eval_count=d.eval_prompts, seed=cfg.train.seed)
 
+    offload = PartsOffload([parts.text_encoder, parts.vae], device) if d.offload_encoders else None
+    onloaded = offload.wrap if offload is not None else (lambda fn: fn)
+
+    @onloaded
     def decode(latents_NIC: torch.Tensor) -> torch.Tensor:
         images_N3HW = parts.decode(latents_NIC, img_fhw).float().cpu()
         return (images_N3HW * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
-    return Task(name=f"pipeline:{cfg.model.path}", prompts=train.prompts, img_fhw=img_fhw, encode=parts.encode,
+    edit_inputs = onloaded(EditInputs(parts, (d.height, d.width))) if parts.edit else None
+    return Task(name=f"pipeline:{cfg.model.path}", prompts=train.prompts, img_fhw=img_fhw,
+                encode=onloaded(parts.encode),
                 decode=decode, text_dim=family.text_dim(cfg.model.arch),
                 latent_channels=family.latent_channels(cfg.model.arch), eval_prompts=held_out.prompts,
                 latents=lambda latents_NIC: parts.unpack(latents_NIC.float(), img_fhw),
                 sigmas=lambda n: parts.sigmas(n, img_fhw), noise=parts.noise,
                 preview=lambda images: images.permute(0, 3, 1, 2).float() / 255, records=train,
-                eval_records=held_out, request_inputs=EditInputs(parts, (d.height, d.width)) if parts.edit else None)
+                eval_records=held_out, request_inputs=edit_inputs, offload=offload)
 
 
 class EditInputs:

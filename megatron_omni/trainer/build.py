@@ -31,6 +31,7 @@ from megatron_omni.rollout.engine import EmbeddedEngine, Trajectory
 from megatron_omni.sync import HFExporter, Rank0Engine, RemoteEngines
 from megatron_omni.sync.updaters import EngineProcessUpdater, InProcessUpdater
 from megatron_omni.trainer.checkpoint import Checkpointer
+from megatron_omni.trainer.offload import OnDevice, to_host
 from megatron_omni.trainer.policy import Policy, build_policy, compile_policy, run_microbatches
 from model_specs.common.lora import apply_lora, base_parameters, disable_adapters, lora_modules, target_name
 from model_specs.family import split_encoding
@@ -65,13 +66,15 @@ class Run:
         """One pass of megatron's schedule over ``microbatches`` with the algorithm's forward step (then the
         optimizer step unless ``forward_only``): megatron_omni.trainer.policy.run_microbatches.  Its per-micro-
         batch metrics (the last pipeline stage's) on every pipeline rank."""
+        if self.cfg.rollout.trajectories_on == "host":  # built from host trajectories: to the device one by one
+            microbatches = OnDevice(microbatches, self.policy.state.torch_device)
         metrics, grad_norm = run_microbatches(self.policy, self.forward_step, microbatches, **kwargs)
         return broadcast_from_last_stage(metrics, self.policy.state.pp_group), grad_norm
 
     def rollout(self, requests: list) -> tuple[list[Trajectory], torch.Tensor | None, list]:
         """Trajectories, decoded images (None when no reward reads images) and pending reward futures.  Two halves
         (whole groups each): the first is scored in reward threads while the second is sampled, the second while
-        the trainer checks log-probs."""
+        the trainer checks log-probs.  With ``rollout.trajectories_on=host`` the trajectories wait in host memory."""
         r = self.cfg.rollout
         half = (r.prompts_per_step // 2 or r.prompts_per_step) * r.group_size
         trajs, pending, images = [], [], []
@@ -79,6 +82,9 @@ class Run:
             if not part:
                 continue
             part_trajs = self.engine.generate(part)
+            if r.trajectories_on == "host":  # (pinned for asynchronous copies back when the device is a GPU)
+                pin = self.policy.state.torch_device.type == "cuda"
+                part_trajs = [to_host(t, pin) for t in part_trajs]
             part_images, future = self.score(part_trajs)
             pending.append(future)
             trajs += part_trajs
@@ -266,7 +272,8 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     with torch.device(state.torch_device):
         policy = build_policy(cfg.model.arch, state, lr=cfg.train.lr, clip_grad=cfg.algorithm.clip_grad,
                               dtype=cfg.model.torch_dtype, backend=cfg.model.backend,
-                              prepare=_initial_weights(cfg, state))
+                              prepare=_initial_weights(cfg, state), recompute=cfg.train.recompute,
+                              recompute_num_layers=cfg.train.recompute_num_layers)
     if cfg.train.compile:
         compile_policy(policy, cfg.train.compile)
     # the reference is taken before a checkpoint is loaded: it is the initial policy, resumed or not

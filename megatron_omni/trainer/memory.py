@@ -8,13 +8,18 @@ Counted per device (bytes), for the trainer's TP x CP x PP x DP layout:
 * optimizer: Adam's two fp32 moments, plus an fp32 master copy when the model is bf16 (the adapters with LoRA);
 * activations: one training micro-batch's, kept for the backward, per block ``s·b·h·(10 + 24/tp)`` bytes in 16-bit
   (Korthikanti et al.'s transformer-layer count with flash attention: no s² term; doubled in float32), s the
-  rank's share of image + text tokens (/ CP), b the micro-batch rows (x 2 with uncond rows recomputed);
+  rank's share of image + text tokens (/ CP), b the micro-batch rows (x 2 with uncond rows recomputed); with
+  ``train.recompute=full`` each chunk of ``recompute_num_layers`` blocks keeps only its input (``2·s·b·h``) plus
+  one chunk's whole count while the backward recomputes it; ``selective`` (core attention) changes nothing here,
+  since the flash-attention count has no s² term to save;
 * engine: the in-process rollout engine's whole-model copy (none when it reads the policy's frozen base: LoRA at
   TP = PP = CP = 1) plus one block's transient at the rollout batch, ``12·s·b·h`` 16-bit values;
 * trajectories: this replica's samples' latents of every step and, with true CFG reuse, the uncond outputs of
-  the trained steps, float32.
-Not counted: the text encoder and VAE of a pipeline task (their files' size is added when ``model.path`` is a
-local folder), allocator fragmentation and CUDA/NCCL workspaces (the ``headroom`` fraction is kept free for
+  the trained steps, float32; none on the device with ``rollout.trajectories_on=host``;
+* the text encoder + VAE of a pipeline task (their files' size, when ``model.path`` is a local folder); with
+  ``data.offload_encoders`` they are on the device in the rollout only, where the training activations are not, so
+  only what exceeds the activations counts.
+Not counted: allocator fragmentation and CUDA/NCCL workspaces (the ``headroom`` fraction is kept free for
 them).  An estimate for planning a layout, not a measurement: ``bench/RESULTS.md`` holds measured peaks.  Against
 one: the OCR recipe's step on one H200 at 1 prompt x group 16 peaked at 98.8 GiB allocated (bench/RESULTS.md,
 30d6c35); this estimate gives 73.8 GiB for that shape plus its 13.3 GB text encoder, 86 GiB: it undercounts by ~13 %
@@ -22,6 +27,7 @@ one: the OCR recipe's step on one H200 at 1 prompt x group 16 peaked at 98.8 GiB
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,7 +114,7 @@ def estimate(cfg, world_size: int, image_tokens: int | None = None, text_tokens:
     reuse = cfg.algorithm.reuse_rollout_uncond and cfg.rollout.guidance_scale > 1
     rows = cfg.train.micro_batch_size * (2 if cfg.rollout.guidance_scale > 1 and not reuse else 1)
     tokens = (image_tokens + text_tokens) / p.cp
-    activations = family.num_blocks(arch) / p.pp * tokens * rows * hidden * (10 + 24 / p.tp)
+    activations = _activations(cfg.train, family.num_blocks(arch) / p.pp, tokens * rows * hidden, p.tp)
     layout = type("Layout", (), {"tp": p.tp, "pp": p.pp, "cp": p.cp})()
     engine = 0 if shares_base(cfg, layout) else (model_params + adapters) * dtype_bytes
     engine += 12 * (image_tokens + text_tokens) * cfg.rollout.max_num_seqs * hidden * 2  # one block's transient
@@ -121,16 +127,33 @@ def estimate(cfg, world_size: int, image_tokens: int | None = None, text_tokens:
         "optimizer (Adam)": trained * (8 if full_precision else 12),
         "activations (1 micro-batch)": activations * (2 if full_precision else 1),
         "rollout engine": engine,
-        "trajectories": samples * image_tokens * family.latent_channels(arch) * 4 * latents,
     }
+    on_host = cfg.rollout.trajectories_on == "host"
+    parts["trajectories" + (" (in host memory)" if on_host else "")] = \
+        0 if on_host else samples * image_tokens * family.latent_channels(arch) * 4 * latents
     if cfg.data.task == "pipeline" and cfg.model.path and Path(cfg.model.path).is_dir():
-        parts["text encoder + VAE"] = sum(f.stat().st_size for sub in ("text_encoder", "vae")
-                                          for f in (Path(cfg.model.path) / sub).rglob("*.safetensors"))
+        files = sum(f.stat().st_size for sub in ("text_encoder", "vae")
+                    for f in (Path(cfg.model.path) / sub).rglob("*.safetensors"))
+        if cfg.data.offload_encoders:  # the rollout holds them, training the activations: the larger counts
+            parts["text encoder + VAE (offloaded: beyond the activations)"] = \
+                max(0.0, files - parts["activations (1 micro-batch)"])
+        else:
+            parts["text encoder + VAE"] = files
     what = (f"TP{p.tp} x CP{p.cp}" + (f" (Ulysses {p.ulysses})" if p.cp > 1 else "") + f" x PP{p.pp} x DP{dp} on "
             f"{world_size} ranks, {family.name} {model_params / 1e9:.2f} B params"
             + (f" + LoRA r{cfg.lora.rank} {adapters / 1e6:.0f} M" if adapters else "") + f", {cfg.model.dtype}, "
-            f"micro-batch {cfg.train.micro_batch_size}, {image_tokens} + {text_tokens} tokens")
+            f"micro-batch {cfg.train.micro_batch_size}, {image_tokens} + {text_tokens} tokens"
+            + (f", recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else ""))
     return MemoryEstimate(parts, what)
+
+
+def _activations(train, blocks: float, sbh: float, tp: int) -> float:
+    """One micro-batch's kept activations in 16-bit bytes over ``blocks`` blocks of ``sbh`` = s·b·h values."""
+    per_block = sbh * (10 + 24 / tp)
+    if train.recompute != "full":
+        return blocks * per_block
+    chunk = min(train.recompute_num_layers, blocks)
+    return math.ceil(blocks / chunk) * 2 * sbh + chunk * per_block  # chunk inputs + the chunk being recomputed
 
 
 def check_fits(est: MemoryEstimate, device_bytes: float) -> None:

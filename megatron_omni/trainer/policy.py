@@ -16,6 +16,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from model_specs.common.recompute import apply_recompute, recompute_config
 from model_specs.family import family_of
 from megatron_omni.compile import compile_blocks
 from megatron_omni.parallel.cpu_compat import cuda_factories_on_cpu
@@ -40,8 +41,10 @@ class Policy:
         return self.state.pp_rank == self.state.pp - 1
 
 
-def policy_transformer_config(arch, state: ParallelState, dtype: torch.dtype):
-    """The TransformerConfig of a policy at ``state``'s TP x CP x PP (x VPP) layout."""
+def policy_transformer_config(arch, state: ParallelState, dtype: torch.dtype, recompute: str = "none",
+                              recompute_num_layers: int = 1):
+    """The TransformerConfig of a policy at ``state``'s TP x CP x PP (x VPP) layout; ``recompute``: megatron's
+    activation recompute (none | full | selective: ``model_specs.common.recompute``)."""
     config = family_of(arch).transformer_config(
         arch, state.tp, params_dtype=dtype, context_parallel_size=state.cp, pipeline_model_parallel_size=state.pp,
         virtual_pipeline_model_parallel_size=state.vpp, pipeline_dtype=dtype,
@@ -50,7 +53,7 @@ def policy_transformer_config(arch, state: ParallelState, dtype: torch.dtype):
         variable_seq_lengths=state.pp > 1, moe_token_dispatcher_type="alltoall",
         # gloo pairs the sends and receives of one batch_isend_irecv by order, not by peer and role: in
         # interleaved 1F1B a stage then reads another message (measured: zeros / the wrong chunk's input)
-        batch_p2p_comm=state.device.backend != "gloo")
+        batch_p2p_comm=state.device.backend != "gloo", **recompute_config(recompute, recompute_num_layers))
     config.has_cond_embedder = True  # finalize_model_grads sums the `pipeline_parallel` params over PP
     config.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=state.pg_collection)
     return config
@@ -70,19 +73,22 @@ def build_chunks(arch, state: ParallelState, config, backend: str = "local",
 def build_policy(arch, state: ParallelState, *, lr: float, weight_decay: float = 0.0,
                  clip_grad: float = 1.0, dtype: torch.dtype = torch.float32, backend: str = "local",
                  prepare: Callable[[torch.nn.Module], None] | None = None,
-                 layout: Sequence[int] | None = None, batched_grads: bool | None = None) -> Policy:
+                 layout: Sequence[int] | None = None, batched_grads: bool | None = None,
+                 recompute: str = "none", recompute_num_layers: int = 1) -> Policy:
     """``prepare(module)`` runs on every chunk before DDP wraps it: load weights, attach LoRA, freeze
     params.  ``layout``: blocks per pipeline chunk (default: an even split).  ``batched_grads``: accumulate the
     gradients into DDP's main_grad with one multi-tensor add per micro-batch where the layout allows
     (``megatron_omni.trainer.grad_flush``; bit-identical to megatron's per-parameter hooks, which run otherwise);
     None: when few parameters train (``grad_flush.worth_batching``: LoRA), since each micro-batch's gradients then
     stay alive until its flush (+2 bytes per trained bf16 parameter at the end of a backward: nothing for LoRA,
-    ~11 % more memory for full fine-tuning with Adam).
+    ~11 % more memory for full fine-tuning with Adam).  ``recompute`` / ``recompute_num_layers``: activation recompute
+    in the training forward (``model_specs.common.recompute``; none | full | selective).
     Train through ``run_microbatches`` (megatron's schedule); a hand-written backward must call
     ``policy.grad_flush.flush()`` before the optimizer step, or its gradients never reach main_grad."""
-    config = policy_transformer_config(arch, state, dtype)
+    config = policy_transformer_config(arch, state, dtype, recompute, recompute_num_layers)
     modules = [m.to(state.torch_device) for m in build_chunks(arch, state, config, backend, layout)]
     for module in modules:
+        apply_recompute(module, config)
         if prepare is not None:
             prepare(module)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)

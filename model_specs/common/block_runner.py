@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def run_blocks(blocks: Sequence[torch.nn.Module], hidden: torch.Tensor, cond, modulations: Sequence) -> torch.Tensor:
@@ -24,17 +25,31 @@ def run_blocks(blocks: Sequence[torch.nn.Module], hidden: torch.Tensor, cond, mo
 
 
 class BlockRunner:
-    """``per_call`` consecutive blocks per call of ``fn`` (``run_blocks`` or a compiled ``run_blocks``)."""
+    """``per_call`` consecutive blocks per call of ``fn`` (``run_blocks`` or a compiled ``run_blocks``).
+    ``recompute_layers``: with grad enabled, every that many consecutive blocks keep only their input and run
+    again in the backward (activation recompute: ``model_specs.common.recompute``); None keeps everything."""
 
-    def __init__(self, fn: Callable = run_blocks, per_call: int = 1):
-        if isinstance(per_call, bool) or not isinstance(per_call, int) or per_call < 1:
-            raise ValueError(f"blocks per call {per_call!r}; expected an integer >= 1")
-        self.fn, self.per_call = fn, per_call
+    def __init__(self, fn: Callable = run_blocks, per_call: int = 1, recompute_layers: int | None = None):
+        for what, value in (("blocks per call", per_call), ("recompute layers", recompute_layers)):
+            if what == "recompute layers" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what} {value!r}; expected an integer >= 1")
+        self.fn, self.per_call, self.recompute_layers = fn, per_call, recompute_layers
 
     def __call__(self, blocks: Sequence[torch.nn.Module], hidden: torch.Tensor, cond,
                  modulations: Sequence) -> torch.Tensor:
         if len(modulations) != len(blocks):
             raise ValueError(f"{len(modulations)} modulations for {len(blocks)} blocks; expected one per block")
+        if self.recompute_layers is None or not torch.is_grad_enabled():
+            return self._run(blocks, hidden, cond, modulations)
+        n = self.recompute_layers
+        for lo in range(0, len(blocks), n):
+            hidden = checkpoint(self._run, blocks[lo:lo + n], hidden, cond, modulations[lo:lo + n],
+                                use_reentrant=False)
+        return hidden
+
+    def _run(self, blocks, hidden: torch.Tensor, cond, modulations) -> torch.Tensor:
         for lo in range(0, len(blocks), self.per_call):
             hi = lo + self.per_call
             hidden = self.fn(blocks[lo:hi], hidden, cond, modulations[lo:hi])
