@@ -66,5 +66,5 @@ def train_steps(run, mbs: list) -> dict[str, float]:
 
 def text_length(text, prompt: str, multiple: int) -> int:
     """The prompt's text length as the engine and the trainer lay it out (real tokens, padded to ``multiple``)."""
-    emb, mask = text[prompt]
+    emb, mask = text[prompt][:2]  # (a family's text extras, SD3's pooled text, may follow)
     return padded_length([emb.shape[0] if mask is None else int(mask.sum())], multiple)

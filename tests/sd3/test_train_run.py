@@ -105,3 +105,18 @@ def test_latent_reward_run_decodes_nothing(tmp_path, monkeypatch):
         assert main([*latent_run, f"train.output_dir={tmp_path / 'mixed'}", "train.steps=1",
                      "reward.judge=jpeg_compressibility"]) == 0
     assert len(decodes) >= 2  # the rollout's two halves at least (and the evaluation)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["diffusion_dpo", "diffusion_nft"])
+def test_clean_sample_algorithms_carry_the_pooled_text(tmp_path, name):
+    """DPO's and NFT's micro-batches carry the family's text extras (SD3's pooled text) into every forward: a step
+    of each on the SD3 folder (they refused a family with extras before)."""
+    folder = build_sd3_pipeline(tmp_path / "sd3", seed=0)
+    out = tmp_path / "run"
+    assert main(["train", "--recipe", "sd35_flow_grpo", f"model.path={folder}", *TINY, f"train.output_dir={out}",
+                 "train.steps=1", "reward.name=jpeg_compressibility", f"algorithm.name={name}",
+                 "algorithm.diffusion_nft.timesteps_per_sample=2"]) == 0
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["grad_norm"] > 0 and row["optimizer_steps"] >= 1

@@ -32,6 +32,8 @@ class DPOMicroBatch:
     txt_mask: torch.Tensor | None  # [2B, T] True = real token; None = all real
     img_fhw: tuple[int, int, int]
     ref_error: torch.Tensor | None = None  # [2B] the reference's e; None before with_reference_errors
+    # {denoiser keyword: [2B, ...]} the rows' text extras (model_specs.family: SD3's pooled text); None: none
+    txt_extras: dict[str, torch.Tensor] | None = None
 
 
 def pair_noise(winner: Trajectory) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,11 +58,8 @@ def dpo_microbatches(trajs: list[Trajectory], winners: list[int], losers: list[i
         eps, t = eps.to(device), t.view(-1).to(device)
         x0 = torch.stack([r.final_sample.float() for r in rows])
         (txt, mask, extras), = _text_rows(rows, text, False, text_pad_multiple, device)
-        if extras:  # (a family's per-prompt conditioning beside the text, e.g. SD3's pooled embedding)
-            raise ValueError(f"diffusion_dpo: text extras {sorted(extras)} are not carried by its micro-batches yet; "
-                             f"expected a family without them (Qwen-Image)")
-        out.append(DPOMicroBatch(x_t=noised(x0, eps, t), target=eps - x0, t=t,
-                                 txt=txt, txt_mask=mask, img_fhw=rows[0].request.img_fhw))
+        out.append(DPOMicroBatch(x_t=noised(x0, eps, t), target=eps - x0, t=t, txt=txt, txt_mask=mask,
+                                 img_fhw=rows[0].request.img_fhw, txt_extras=extras or None))
     return out
 
 
@@ -92,7 +91,8 @@ def dpo_forward_step(beta: float):
     def forward_step(data_iterator: Iterator[DPOMicroBatch], model: torch.nn.Module):
         mb = next(data_iterator)
         dtype = model.config.params_dtype
-        output = model(mb.x_t.to(dtype), mb.txt.to(dtype), mb.t, mb.img_fhw, mb.txt_mask)
+        extras = {k: v.to(dtype) for k, v in (mb.txt_extras or {}).items()}
+        output = model(mb.x_t.to(dtype), mb.txt.to(dtype), mb.t, mb.img_fhw, mb.txt_mask, **extras)
         return output, partial(loss_func, mb, beta)
 
     return forward_step

@@ -61,7 +61,9 @@ class DiffusionNFT(FlowGRPO):
         return nft_forward_step(self.loss_config(cfg), reference)
 
     def requests(self, run, step: int) -> list:
-        return [replace(r, sampler="ode", window_size=None, window_range=None) for r in super().requests(run, step)]
+        # ODE rollouts: no log-probs, so no log-prob form (a CPS recipe's "simple" belongs to its SDE steps)
+        return [replace(r, sampler="ode", window_size=None, window_range=None, log_prob_form="gaussian")
+                for r in super().requests(run, step)]
 
     def check(self, run, trajs: list[Trajectory], text) -> dict[str, float]:
         return {}  # ODE rollouts: no log-probs to compare

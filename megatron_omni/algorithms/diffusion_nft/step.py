@@ -32,6 +32,8 @@ class NFTMicroBatch:
     txt_mask: torch.Tensor | None  # [B, T]
     img_fhw: tuple[int, int, int]
     old_velocity: torch.Tensor | None = None  # [B, I, C] float32 v_old; None before with_old_velocity
+    # {denoiser keyword: [B, ...]} the rows' text extras (model_specs.family: SD3's pooled text); None: none
+    txt_extras: dict[str, torch.Tensor] | None = None
 
 
 def training_rows(trajs: list[Trajectory], timesteps: int) -> list[tuple[int, float, torch.Tensor]]:
@@ -64,12 +66,9 @@ def nft_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text, 
         eps = torch.stack([e for _, _, e in chunk]).to(device)
         t = torch.tensor([t for _, t, _ in chunk], device=device)
         (txt, mask, extras), = _text_rows(samples, text, False, text_pad_multiple, device)
-        if extras:  # (a family's per-prompt conditioning beside the text, e.g. SD3's pooled embedding)
-            raise ValueError(f"diffusion_nft: text extras {sorted(extras)} are not carried by its micro-batches yet; "
-                             f"expected a family without them (Qwen-Image)")
         out.append(NFTMicroBatch(x_t=noised(x0, eps, t), x0=x0, t=t, txt=txt, txt_mask=mask,
                                  advantage=advantages_N[[i for i, _, _ in chunk]].to(device),
-                                 img_fhw=samples[0].request.img_fhw))
+                                 img_fhw=samples[0].request.img_fhw, txt_extras=extras or None))
     return out
 
 
@@ -101,11 +100,12 @@ def nft_forward_step(config: NFTLossConfig, reference: ReferenceFn | None = None
         mb = next(data_iterator)
         dtype = model.config.params_dtype
         inputs = (mb.x_t.to(dtype), mb.txt.to(dtype), mb.t, mb.img_fhw, mb.txt_mask)
-        output = model(*inputs)
+        extras = {k: v.to(dtype) for k, v in (mb.txt_extras or {}).items()}
+        output = model(*inputs, **extras)
         ref_out = None
         if config.ref_weight > 0:
             with torch.no_grad(), reference(model) as ref_model:
-                ref_out = ref_model(*inputs)
+                ref_out = ref_model(*inputs, **extras)
         return output, partial(loss_func, mb, config, ref_out)
 
     return forward_step
