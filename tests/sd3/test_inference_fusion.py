@@ -25,25 +25,26 @@ GRID, TEXT = (3, 5), 6  # a non-square token grid
 FUSED = {"3.5-M": 9, "3.5-L": 8}
 
 
-def _model(state, arch, lora: bool):
+def _model(state, arch, lora: bool, device: str = "cpu"):
     model = megatron_from_reference(diffusers_reference(arch), arch, state.tp_group)
     if lora:  # the attention preset and fc1 (its adapter folds into the epilogue GEMM)
         apply_lora(model, 4, 8.0, [*SD3_LORA_TARGETS, "ff.net.0.proj", "ff_context.net.0.proj"], sd3_rules(arch),
                    seed=0)
         for m in lora_modules(model).values():
             torch.nn.init.normal_(m.lora_B, std=0.05)  # nonzero B: the adapters change the output
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _forward(model, arch, grad: bool = False):
-    img, txt, pooled, sigma = make_inputs(arch, 2, TEXT, GRID)
+    device = next(model.parameters()).device
+    img, txt, pooled, sigma = (t.to(device) for t in make_inputs(arch, 2, TEXT, GRID))
     with torch.set_grad_enabled(grad):
         return model(img, txt, sigma, (1, *GRID), None, pooled)
 
 
-def _check_fused(state, shape: str, lora: bool) -> None:
+def _check_fused(state, shape: str, lora: bool, device: str = "cpu") -> None:
     arch = tiny_config(**SHAPES[shape])
-    model = _model(state, arch, lora)
+    model = _model(state, arch, lora, device)
     plain = _forward(model, arch)
     assert fuse_inference(model, strict=True) == FUSED[shape]
     attentions = [m for m in model.modules() if isinstance(m, (JointAttention, SelfAttention))]
@@ -75,6 +76,15 @@ def test_sd30_attention_has_nothing_to_fuse(single_rank):
         fuse_inference(model, strict=True)
     assert fuse_inference(model) == 5
     assert not any(m.fused for m in model.modules() if isinstance(m, (JointAttention, SelfAttention)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_equals_plain_forward_on_gpu(single_rank, shape, lora):
+    """The compiled Triton kernel (no rotation) and cuBLASLt's GELU epilogue, float32 on CUDA."""
+    _check_fused(single_rank, shape, lora, "cuda")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter only")
