@@ -23,9 +23,10 @@ class FlowBatch:
 
 def flow_matching_forward_step(data_iterator, model):
     batch: FlowBatch = next(data_iterator)
-    g = torch.Generator().manual_seed(batch.generator_seed)
-    noise = torch.randn(batch.x0_BIC.shape, generator=g)
-    sigma_B = torch.sigmoid(torch.randn(batch.x0_BIC.shape[0], generator=g))  # logit-normal sigmas
+    g = torch.Generator().manual_seed(batch.generator_seed)  # drawn on the CPU: the same draws on every device
+    device = batch.x0_BIC.device
+    noise = torch.randn(batch.x0_BIC.shape, generator=g).to(device)
+    sigma_B = torch.sigmoid(torch.randn(batch.x0_BIC.shape[0], generator=g)).to(device)  # logit-normal sigmas
     x_t = (1 - sigma_B[:, None, None]) * batch.x0_BIC + sigma_B[:, None, None] * noise
     v = model(x_t, batch.txt_BTE, sigma_B, batch.img_fhw, batch.mask_BT)
     target = noise - batch.x0_BIC
@@ -43,7 +44,7 @@ def pretrain(policy: Policy, x0_NIC: torch.Tensor, txt_NTE: torch.Tensor, mask_N
     """``steps`` optimizer steps of flow matching; returns the loss per step.  Every draw is seeded by
     (seed, step), so the result does not depend on the machine's speed.  With ``uncond`` (the empty
     prompt's embedding and mask), a fraction ``p_uncond`` of prompts is dropped so CFG works later."""
-    losses = []
+    losses, device = [], next(policy.module.parameters()).device
     for step in range(steps):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         idx = torch.randint(0, x0_NIC.shape[0], (batch_size,), generator=g)
@@ -51,7 +52,8 @@ def pretrain(policy: Policy, x0_NIC: torch.Tensor, txt_NTE: torch.Tensor, mask_N
         if uncond is not None:
             drop = torch.rand(batch_size, generator=g) < p_uncond
             txt[drop], mask[drop] = uncond[0], uncond[1]
-        batch = FlowBatch(x0_NIC[idx], txt, mask, img_fhw, generator_seed=seed * 7919 + step)
+        batch = FlowBatch(x0_NIC[idx].to(device), txt.to(device), mask.to(device), img_fhw,
+                          generator_seed=seed * 7919 + step)
         metrics, _ = run_microbatches(policy, flow_matching_forward_step, [batch])
         losses.append(float(metrics[0]["flow_loss"]))
     return losses

@@ -40,10 +40,10 @@ class JointAttention(MegatronModule):
                                        **_linear_kwargs(config, tp_group, "qkv", column=True))
         self.linear_added_qkv = build_module(submodules.linear_added_qkv, hidden, 3 * hidden,
                                              **_linear_kwargs(config, tp_group, "qkv", column=True))
-        self.q_layernorm = build_module(submodules.q_layernorm, self.head_dim)
-        self.k_layernorm = build_module(submodules.k_layernorm, self.head_dim)
-        self.added_q_layernorm = build_module(submodules.added_q_layernorm, self.head_dim)
-        self.added_k_layernorm = build_module(submodules.added_k_layernorm, self.head_dim)
+        self.q_layernorm = build_module(submodules.q_layernorm, self.head_dim, dtype=config.params_dtype)
+        self.k_layernorm = build_module(submodules.k_layernorm, self.head_dim, dtype=config.params_dtype)
+        self.added_q_layernorm = build_module(submodules.added_q_layernorm, self.head_dim, dtype=config.params_dtype)
+        self.added_k_layernorm = build_module(submodules.added_k_layernorm, self.head_dim, dtype=config.params_dtype)
         self.core_attention = build_module(submodules.core_attention, cp_groups=cp_groups)
         self.linear_proj = build_module(submodules.linear_proj, hidden, hidden,
                                         **_linear_kwargs(config, tp_group, "proj", column=False))
