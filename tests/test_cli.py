@@ -75,6 +75,9 @@ def test_forwarded_module_missing_is_a_clean_error(capsys, monkeypatch):
     assert "megatron-omni demo: error: cannot import megatron_omni.no_such_module" in capsys.readouterr().err
 
 
-def test_train_refuses_an_interleaved_pipeline_loop_clearly(capsys):
-    assert cli.main(["train", "--recipe", "digits_flow_grpo", "parallel.pp=2", "parallel.vpp=2"]) == 2
-    assert "parallel.vpp=2: the RL loop runs non-interleaved pipelines today" in capsys.readouterr().err
+def test_train_takes_an_interleaved_pipeline_layout_and_names_the_world_it_needs(capsys, tmp_path):
+    """The loop runs interleaved PP (tests/trainer/test_loop_layouts.py); one process is too few ranks for it."""
+    argv = ["train", "--recipe", "digits_flow_grpo", "parallel.pp=2", "parallel.vpp=2", "model.arch.num_layers=4",
+            f"train.output_dir={tmp_path}"]
+    assert cli.main(argv) == 2
+    assert "world size 1 is not divisible by tp*cp*pp = 1*1*2 = 2" in capsys.readouterr().err

@@ -25,6 +25,8 @@ class _Updater:
         self.exporters: dict[str, HFExporter] = {}
         self.engine_has_base = False  # "lora": the engine holds the trainer's base weights
         self.restarts = 0
+        self.chunks = [module]  # this rank's model chunks (interleaved PP: one per virtual stage)
+        self.later_exporters: dict[str, list[HFExporter]] = {}  # mode -> the exporters of chunks[1:]
 
     def _exporter(self, mode: str) -> HFExporter:
         if mode not in self.exporters:
@@ -49,17 +51,29 @@ class _Updater:
 class InProcessUpdater(_Updater):
     """export → the in-process engine's receiver (no transport; every TP rank gathers and loads its own engine).
     Under pipeline parallelism every rank's engine holds the whole model: each stage's tensors (its blocks and the
-    global tensors it owns, ``HFExporter``) are broadcast over the pipeline group, stage by stage."""
+    global tensors it owns, ``HFExporter``) are broadcast over the pipeline group, stage by stage, and under
+    interleaved PP chunk by chunk (an exporter per chunk)."""
 
     def _send(self, exporter: HFExporter) -> dict:
         if self.pp_group is None or dist.get_world_size(self.pp_group) == 1:
             engine_side.load(self.engine, exporter.mode, exporter.tensors())
             return {"tensors": len(exporter.plan())}
-        # one load of every stage's tensors: LoRA's commit takes the whole adapter set at once
-        pairs = [pair for stage in range(dist.get_world_size(self.pp_group))
-                 for pair in stage_tensors(exporter, self.pp_group, stage)]
-        engine_side.load(self.engine, exporter.mode, pairs)
+        # one load of every stage's tensors: LoRA's commit takes the whole adapter set at once; a tensor every chunk
+        # holds alike (the replicated timestep embedder) once
+        pairs = {}
+        for chunk_exporter in [exporter] + self._later_chunks(exporter.mode):
+            for stage in range(dist.get_world_size(self.pp_group)):
+                for name, t in stage_tensors(chunk_exporter, self.pp_group, stage):
+                    pairs.setdefault(name, t)
+        engine_side.load(self.engine, exporter.mode, list(pairs.items()))
         return {"tensors": len(pairs)}
+
+    def _later_chunks(self, mode: str) -> list[HFExporter]:
+        """The exporters of this rank's chunks after the first (interleaved PP), built once per mode."""
+        if mode not in self.later_exporters:
+            self.later_exporters[mode] = [HFExporter(chunk, self.tp_group, self.pp_group, mode=mode,
+                                                     bucket_bytes=self.bucket_bytes) for chunk in self.chunks[1:]]
+        return self.later_exporters[mode]
 
 
 def stage_tensors(exporter: HFExporter, pp_group, stage: int) -> list[tuple[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from checkpoints_convert.convert import mcore_state_from_hf
 from checkpoints_convert.hf_folder import HFFolder
@@ -68,8 +69,29 @@ class Run:
         batch metrics (the last pipeline stage's) on every pipeline rank."""
         if self.cfg.rollout.trajectories_on == "host":  # built from host trajectories: to the device one by one
             microbatches = OnDevice(microbatches, self.policy.state.torch_device)
+        if self.policy.state.vpp:  # the interleaved schedule sends tensors of one shape, given up front
+            kwargs["boundary_shape"] = self.boundary_shape(microbatches)
         metrics, grad_norm = run_microbatches(self.policy, self.forward_step, microbatches, **kwargs)
         return broadcast_from_last_stage(metrics, self.policy.state.pp_group), grad_norm
+
+    def boundary_shape(self, microbatches) -> tuple[int, int]:
+        """(sequence, rows) of the hidden state the pipeline stages pass for every one of ``microbatches``, which
+        the interleaved schedule needs fixed: the first stage's first chunk runs each micro-batch's forward under
+        no_grad (1 / (pp * vpp) of a forward; whatever the algorithm's rows are: CFG's uncond rows, a context) and
+        tells the other stages.  ValueError when they differ."""
+        state = self.policy.state
+        box = [None]
+        if state.pp_rank == 0:
+            with torch.no_grad():
+                box[0] = sorted({tuple(self.forward_step(iter([mb]), self.policy.models[0])[0].shape[:2])
+                                 for mb in microbatches})
+        dist.broadcast_object_list(box, src=dist.get_global_rank(state.pp_group, 0), group=state.pp_group)
+        if len(box[0]) != 1:
+            raise ValueError(f"parallel.vpp={state.vpp}: the interleaved pipeline needs one stage-boundary shape per "
+                             f"pass, got (tokens, rows) {box[0]}; expected prompts of one padded text length "
+                             f"(rollout.text_pad_multiple >= the longest prompt's tokens) and equal micro-batches "
+                             f"(train.micro_batch_size dividing every pass's pairs), or parallel.vpp=null")
+        return box[0][0]
 
     def rollout(self, requests: list) -> tuple[list[Trajectory], torch.Tensor | None, list]:
         """Trajectories, decoded images (None when no reward reads images) and pending reward futures.  Two halves
@@ -216,6 +238,7 @@ def _updater(cfg: RunConfig, policy: Policy, engine):
     pp_group = policy.state.pp_group if kind is InProcessUpdater else None  # (engine processes: TP only today)
     updater = kind(policy.module, policy.state.tp_group, engine, s.resolved_mode(cfg.lora.rank), s.bucket_mb << 20,
                    s.checksum, pp_group=pp_group)
+    updater.chunks = policy.modules or [policy.module]  # (interleaved PP: every virtual stage of this rank)
     updater.engine_has_base = shares_base(cfg, policy.state)  # the same tensors: nothing to send
     return updater
 
@@ -282,7 +305,7 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     algorithm_state = algorithm.build_state(cfg, policy)  # from the initial weights; a resume loads its own
     start = 0
     if resume and checkpointer.latest_step() is not None:
-        start = checkpointer.load(policy.model, policy.optimizer, algorithm_state=algorithm_state)["step"] + 1
+        start = checkpointer.load(policy.models, policy.optimizer, algorithm_state=algorithm_state)["step"] + 1
     engine = _build_engine(cfg, state, task, policy)
     fns = {"reward": build_reward(cfg.reward.name, **cfg.reward.options)}
     if cfg.reward.judge:

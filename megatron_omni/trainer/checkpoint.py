@@ -37,7 +37,7 @@ class Checkpointer:
         return step
 
     def _state(self, model, optimizer, is_loading: bool, algorithm_state=None) -> dict[str, Any]:
-        model_sd = weights_sharded_state_dict(model)
+        model_sd = _chunks_sharded_state_dict(model)
         state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
         if algorithm_state is not None:  # e.g. an EMA of the policy (megatron_omni.algorithms.base)
             state["algorithm_state"] = algorithm_state.sharded_state_dict(model_sd)
@@ -78,7 +78,11 @@ class Checkpointer:
         with cuda_factories_on_cpu():
             state = dist_checkpointing.load(self._state(model, optimizer, True, algorithm_state),
                                             str(self.root / _name(step)))
-        model.load_state_dict(state["model"], strict=False)
+        chunks = _chunks(model)
+        for v, chunk in enumerate(chunks):
+            prefix = f"chunk{v}." if len(chunks) > 1 else ""
+            chunk.load_state_dict({k[len(prefix):]: t for k, t in state["model"].items() if k.startswith(prefix)},
+                                  strict=False)
         optimizer.load_state_dict(state["optimizer"])
         if algorithm_state is not None:
             algorithm_state.load(state["algorithm_state"])
@@ -92,6 +96,34 @@ class Checkpointer:
 
 
 RUN_CONFIG = "run_config.yaml"
+
+
+def _chunks(model) -> list:
+    """A model, or the model chunks of one rank (interleaved PP: one per virtual stage), as a list."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _chunks_sharded_state_dict(model) -> dict[str, Any]:
+    """``weights_sharded_state_dict`` of a model, or of every chunk of an interleaved pipeline under
+    ``chunk<v>.`` keys: a tensor an earlier chunk of this rank holds alike (the replicated timestep embedder) is
+    marked a replica there, so that one rank writes it once."""
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        return weights_sharded_state_dict(chunks[0])
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    merged, seen = {}, set()
+    for v, chunk in enumerate(chunks):
+        sd = weights_sharded_state_dict(chunk)
+        for key, value in sd.items():
+            if isinstance(value, ShardedTensor) and value.key in seen:
+                replica = value.replica_id if isinstance(value.replica_id, tuple) else (value.replica_id,)
+                value.replica_id = (pp * v + stage, *replica[1:])
+            merged[f"chunk{v}.{key}"] = value
+        seen |= {t.key for t in sd.values() if isinstance(t, ShardedTensor)}
+    return merged
 
 
 def _name(step: int) -> str:

@@ -93,7 +93,7 @@ def train(cfg: RunConfig, state: ParallelState, task: Task, run_dir: str | Path,
                 break
             stop = signals.requested() and step != last
             if stop or step == last or (cfg.train.save_every and (step + 1) % cfg.train.save_every == 0):
-                run.checkpointer.save(step, run.policy.model, run.policy.optimizer, {}, run.algorithm_state)
+                run.checkpointer.save(step, run.policy.models, run.policy.optimizer, {}, run.algorithm_state)
             if stop:
                 raise Preempted(step, signals.signame)
     finally:

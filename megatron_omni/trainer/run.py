@@ -19,12 +19,9 @@ def check_task_fits(cfg: RunConfig, task: Task) -> None:
 
 
 def check_loop_layout(cfg: RunConfig) -> None:
-    """The loop runs at DP x TP x CP (Ulysses x ring) x PP: every rank's in-process engine holds the whole model
-    (tests/trainer/test_loop_layouts.py).  Not yet: interleaved PP (vpp), and PP with engine processes."""
+    """The loop runs at DP x TP x CP (Ulysses x ring) x PP (x vpp): every rank's in-process engine holds the whole
+    model (tests/trainer/test_loop_layouts.py).  Not yet: PP with engine processes."""
     p = cfg.parallel
-    if p.vpp is not None:
-        raise ValueError(f"parallel.vpp={p.vpp}: the RL loop runs non-interleaved pipelines today (its weight export "
-                         f"reads one chunk per stage); expected parallel.vpp=null")
     if p.pp > 1 and cfg.sync.engine_placement != "in_process":
         raise ValueError(f"parallel.pp={p.pp} with sync.engine_placement={cfg.sync.engine_placement!r}: engine "
                          f"processes take their weights from trainer rank 0, which holds one stage; expected "

@@ -174,3 +174,23 @@ def test_lora_loop_at_tp2_equals_one_process(tmp_path):
                             timeout_s=600)
     assert ranks[0] == ranks[1] and single[0]["grad_norm"] > 0
     _close(ranks[0], single)
+
+
+def test_loop_at_pp2_vpp2_equals_one_process(tmp_path):
+    """Interleaved PP (vpp=2): 4 blocks in 4 chunks, 2 per rank (megatron's chunk order); the interleaved schedule
+    gets its fixed stage-boundary shape from the first stage (Run.boundary_shape), the weight export reads every
+    chunk (each stage's, chunk by chunk), and the last step's checkpoint holds both chunks of each rank."""
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+
+    four = [o for o in TINY if not o.startswith("model.arch.num_layers")] + ["model.arch.num_layers=4"]
+    state = init_parallel(tp=1, seed=0, device="cpu")
+    try:
+        single = _train(state, four, tmp_path / "single")
+    finally:
+        destroy_parallel()
+    out = tmp_path / "vpp"
+    ranks = run_distributed(_train, world_size=2, parallel={"pp": 2, "vpp": 2},
+                            args=(four + ["parallel.pp=2", "parallel.vpp=2"], out), timeout_s=600)
+    assert ranks[0] == ranks[1] and single[1]["grad_norm"] > 0
+    _close(ranks[0], single)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "1"
