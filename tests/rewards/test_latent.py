@@ -106,3 +106,14 @@ def test_config_checks_reward_options():
         load_config(overrides=["reward.name=latent_scorer", "reward.options.chanels=4"])
     with pytest.raises(ConfigError, match=r"reward.judge: unknown reward 'nope'; expected one of"):
         load_config(overrides=["reward.judge=nope"])
+
+
+def test_pool_refuses_an_unknown_input_kind():
+    class Pixels:
+        reads = "pixels"
+
+        def __call__(self, images, prompts, metadata):
+            return [0.0] * len(prompts)
+
+    with pytest.raises(ValueError, match=r"declares reads='pixels'; expected one of \('images', 'latents'\)"):
+        AsyncRewardPool({"bad": Pixels()})
