@@ -360,6 +360,11 @@ class AlgorithmConfig:
     # still the rollout's there, so loss and gradients are unchanged (an exact saving of one forward and the
     # uncond half's backward per pair).  Later optimizer steps of the same RL step recompute it.
     reuse_rollout_uncond: bool = True
+    # where pi_old comes from: "rollout" (the log-probs the rollout sampled with), "trainer" (the trainer's own at the
+    # rollout's weights: the first optimizer step reads its forward's, so its ratio is exactly 1; a later optimizer
+    # step's are scored by one forward-only pass before any update); "auto": trainer with rollout.fp8, else rollout.
+    # (bf16 rollout and trainer differ by ~1e-5 in log p, a large DiT's whole clip range: bench/RESULTS.md)
+    old_log_prob: Literal["auto", "rollout", "trainer"] = "auto"
     mix_grpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
     flow_dppo: FlowDPPOConfig = field(default_factory=FlowDPPOConfig)
     dance_grpo: DanceGRPOConfig = field(default_factory=DanceGRPOConfig)

@@ -231,8 +231,8 @@ def test_fp8_rollout_trains_on_the_trainers_own_old_policy(tmp_path, single_rank
     reads its own forward's log-probs (no extra pass), the second's are scored by one forward-only pass before any
     update.  At a learning rate too small to move a float32 weight every ratio is then exactly 1, on both paths,
     while the FP8 rollout's own log-probs, logged against the trainer's, differ from them (FP8 GEMMs in the CPU's
-    float32 emulation).  Trained on the rollout's log-probs instead, the ratios are not 1."""
-    from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
+    float32 emulation).  Trained on the rollout's log-probs instead (``algorithm.old_log_prob=rollout``), the ratios
+    are not 1; the trainer's own π_old without FP8 (``=trainer``) makes them exactly 1 too."""
     from megatron_omni.trainer import build
 
     calls = []
@@ -255,7 +255,16 @@ def test_fp8_rollout_trains_on_the_trainers_own_old_policy(tmp_path, single_rank
     (p,) = _metrics(tmp_path / "plain")
     # FP8's gap, logged: well above the float32 re-scoring's (2e-6 against 1e-7 here: a 2-block model at init)
     assert m["logprob_abs_diff"] > 5 * p["logprob_abs_diff"] and m["logprob_abs_diff"] > 5e-7, (m, p)
-    monkeypatch.setattr(FlowGRPO, "trainer_old_policy", lambda self, cfg: False)
-    train(cfg, single_rank, task, tmp_path / "rollout_old")
+    rollout_old = load_config("digits_flow_grpo", None, TINY + ["train.steps=1", "rollout.fp8=true", "train.lr=1e-30",
+                                                                "algorithm.old_log_prob=rollout"])
+    train(rollout_old, single_rank, task, tmp_path / "rollout_old")
     (r,) = _metrics(tmp_path / "rollout_old")
     assert r["ratio_std"] > 0 and r["approx_kl"] > 0
+    # the trainer's own pi_old without FP8 (algorithm.old_log_prob=trainer): the float32 run's ratios exactly 1 too
+    own = load_config("digits_flow_grpo", None, TINY + ["train.steps=1", "train.lr=1e-30", "algorithm.old_log_prob=trainer"])
+    calls.clear()
+    train(own, single_rank, task, tmp_path / "own")
+    assert calls == [True, False, False]  # (the rollout's pi_old, "auto" without FP8, runs no such pass)
+    (o,) = _metrics(tmp_path / "own")
+    assert o["ratio_mean"] == 1.0 and o["ratio_std"] == 0.0 and o["approx_kl"] == 0.0
+    assert o["logprob_abs_diff"] == p["logprob_abs_diff"]  # the same rollout, logged against the same trainer

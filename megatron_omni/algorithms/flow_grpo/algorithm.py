@@ -141,10 +141,11 @@ class FlowGRPO(Algorithm):
         return summary
 
     def trainer_old_policy(self, cfg) -> bool:
-        """Whether π_old is the trainer's recomputation rather than the rollout's log-probs: an FP8 rollout
-        (``rollout.fp8``) samples with other GEMMs than the bf16 trainer, so its log-probs are logged against the
-        trainer's (the check) and not trained on."""
-        return bool(cfg.rollout.fp8)
+        """Whether π_old is the trainer's recomputation rather than the rollout's log-probs
+        (``algorithm.old_log_prob``; "auto": with an FP8 rollout, which samples with other GEMMs than the bf16
+        trainer, so that its log-probs are logged against the trainer's, the check, and not trained on)."""
+        source = cfg.algorithm.old_log_prob
+        return bool(cfg.rollout.fp8) if source == "auto" else source == "trainer"
 
     def recompute_old_log_probs(self, run, steps: list[list]) -> list[list]:
         """The optimizer steps with π_old from the trainer at the rollout's weights: the first step's micro-batches
