@@ -268,3 +268,29 @@ def test_fp8_rollout_trains_on_the_trainers_own_old_policy(tmp_path, single_rank
     (o,) = _metrics(tmp_path / "own")
     assert o["ratio_mean"] == 1.0 and o["ratio_std"] == 0.0 and o["approx_kl"] == 0.0
     assert o["logprob_abs_diff"] == p["logprob_abs_diff"]  # the same rollout, logged against the same trainer
+
+
+def test_trainers_old_policy_pass_is_counted_in_the_flops(tmp_path, single_rank, task, monkeypatch):
+    """With the trainer's own π_old, the forward-only pass over the second optimizer step's pairs is in the step's
+    FLOPs: here (no CFG, 2 pairs per sample, 8 pairs per optimizer step) exactly a forward-only check of the last
+    4 samples."""
+    from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
+
+    seen = []
+    flops = FlowGRPO.flops
+
+    def spy(self, run, trajs, text, check_samples=None):
+        seen.append((run, trajs, text))
+        return flops(self, run, trajs, text, check_samples)
+
+    monkeypatch.setattr(FlowGRPO, "flops", spy)
+    cfg = load_config("digits_flow_grpo", None, TINY + ["train.steps=1", "algorithm.old_log_prob=trainer"])
+    train(cfg, single_rank, task, tmp_path / "own")
+    (run, trajs, text), = seen
+    algo = FlowGRPO()
+    own = algo.flops(run, trajs, text)
+    run.cfg.algorithm.old_log_prob = "rollout"
+    plain = algo.flops(run, trajs, text)
+    last4 = trajs[4:] + trajs[:4]
+    check = algo.flops(run, last4, text, check_samples=4) - algo.flops(run, last4, text, check_samples=0)
+    assert own - plain == pytest.approx(check, rel=1e-12) and check > 0

@@ -173,7 +173,8 @@ class FlowGRPO(Algorithm):
         """The step's DiT FLOPs: the forwards actually run, each row at the image tokens (its grid and an edit's
         context) and text length it ran at (``text``: prompt -> (embedding, mask), laid out as the engine lays it
         out; a request's own embeddings where it carries them); no uncond rows where the rollout's uncond output
-        was reused; with LoRA, no weight gradients of the frozen base and the adapters' own FLOPs.
+        was reused; with LoRA, no weight gradients of the frozen base and the adapters' own FLOPs; with the trainer's
+        own π_old, the forward-only pass over the pairs after the first optimizer step.
         ``check_samples``: the samples a forward-only check scores (default: ``algorithm.logprob_check_samples``,
         none when the check is folded into the first optimizer step)."""
         cfg = run.cfg
@@ -206,9 +207,16 @@ class FlowGRPO(Algorithm):
         reused = min(pairs, self.micro_batches_per_step(run) * cfg.train.micro_batch_size) if reuse else 0
         if check_samples is None:  # a check folded into the first optimizer step runs no forward of its own
             check_samples = 0 if self.folded_check_pairs(run, trajs) is not None else self.check_samples(run)
-        return varlen_step_flops(per_row, samples, rollout_steps=cfg.rollout.num_steps, frozen_base=cfg.lora.rank > 0,
-                                 reused_uncond_pairs=reused, check_samples=check_samples,
-                                 check_reuses_uncond=reuse, kl=cfg.algorithm.kl_beta > 0)
+        total = varlen_step_flops(per_row, samples, rollout_steps=cfg.rollout.num_steps, frozen_base=cfg.lora.rank > 0,
+                                  reused_uncond_pairs=reused, check_samples=check_samples,
+                                  check_reuses_uncond=reuse, kl=cfg.algorithm.kl_beta > 0)
+        if self.trainer_old_policy(cfg):  # pi_old of the pairs after the first optimizer step: a forward-only pass
+            skip = self.micro_batches_per_step(run) * cfg.train.micro_batch_size
+            for cond, uncond, n in samples:
+                later, skip = max(0, n - max(0, skip)), skip - n
+                rows = [cond] + ([uncond] if uncond is not None else [])  # (that pass runs its uncond rows itself)
+                total += later * sum(sum(per_row(key)) for key in rows)
+        return total
 
 
 def logprob_agreement(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor) -> dict[str, float]:
