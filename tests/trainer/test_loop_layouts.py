@@ -150,10 +150,16 @@ def test_checkpoint_at_tp2_resumes_at_pp2(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
 
 
-def test_loop_at_tp2_pp2_on_four_ranks_equals_one_process(single, tmp_path):
-    out = tmp_path / "run"
-    ranks = run_distributed(_train, world_size=4, parallel={"tp": 2, "pp": 2},
-                            args=(TINY + ["parallel.tp=2", "parallel.pp=2"], out), timeout_s=900)
+FOUR_RANKS = {"tp2_pp2": {"tp": 2, "pp": 2}, "dp2_tp2": {"tp": 2}, "cp2_ulysses_pp2": {"cp": 2, "ulysses": 2, "pp": 2}}
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_loop_on_four_ranks_equals_one_process(single, tmp_path, name):
+    """TP2 x PP2, DP2 x TP2 (two replicas of a TP pair: each samples and trains its half of the groups) and
+    CP2 (Ulysses) x PP2 on 4 gloo ranks."""
+    layout, out = FOUR_RANKS[name], tmp_path / "run"
+    ranks = run_distributed(_train, world_size=4, parallel=layout,
+                            args=(TINY + [f"parallel.{k}={v}" for k, v in layout.items()], out), timeout_s=900)
     assert all(r == ranks[0] for r in ranks)
     _close(ranks[0], single)
 
