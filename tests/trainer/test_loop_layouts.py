@@ -200,3 +200,26 @@ def test_loop_at_pp2_vpp2_equals_one_process(tmp_path):
     assert ranks[0] == ranks[1] and single[1]["grad_norm"] > 0
     _close(ranks[0], single)
     assert (out / "checkpoints" / "latest").read_text().strip() == "1"
+
+
+def test_checkpoint_at_pp2_vpp2_resumes_at_tp2(tmp_path):
+    """Killed at PP2 x vpp2 after step 1 (checkpoint after step 0: both chunks of each rank, the timestep embedder
+    written once), resumed at TP2: steps 1 and 2 equal the uninterrupted single-process run's."""
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+
+    three = [o for o in TINY if not o.startswith(("train.steps", "train.save_every", "model.arch.num_layers"))]
+    three += ["train.steps=3", "train.save_every=1", "model.arch.num_layers=4"]
+    state = init_parallel(tp=1, seed=0, device="cpu")
+    try:
+        whole = _train(state, three, tmp_path / "whole")
+    finally:
+        destroy_parallel()
+    out = tmp_path / "run"
+    assert run_distributed(_killed, world_size=2, parallel={"pp": 2, "vpp": 2},
+                           args=(three + ["parallel.pp=2", "parallel.vpp=2"], out), timeout_s=600) == ["0", "0"]
+    ranks = run_distributed(_resumed, world_size=2, parallel={"tp": 2}, args=(three + ["parallel.tp=2"], out),
+                            timeout_s=600)
+    assert ranks[0] == ranks[1] and [m["step"] for m in ranks[0]] == [1, 2]
+    for a, b in zip(ranks[0], whole[1:]):
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
