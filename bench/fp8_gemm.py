@@ -11,28 +11,14 @@ Median of ``--repeats`` timed runs after warm-up (CUDA events).  GPU only (sm89+
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from _profile import median_ms
 from model_specs.common.fp8 import check_fp8_device, fp8_matmul, quantize_rows
 
 # (name, K, N) of the Qwen-Image block's per-token linears (hidden 3072, MLP 12288)
 LINEARS = (("qkv", 3072, 9216), ("proj", 3072, 3072), ("fc1", 3072, 12288), ("fc2", 12288, 3072))
-
-
-def _time(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -60,10 +46,10 @@ def main(argv=None) -> None:
         ws = ws.t().contiguous()
         xq, xs = quantize_rows(x)
         flops = 2 * args.rows * k * n
-        t_bf16 = _time(lambda: torch.mm(x, w.t()), args.repeats)
-        t_kernel = _time(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16),
-                         args.repeats)
-        t_fp8 = _time(lambda: compiled(x, wq, ws), args.repeats)
+        t_bf16 = median_ms(lambda: torch.mm(x, w.t()), args.repeats, warmup=3) / 1e3
+        t_kernel = median_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16),
+                             args.repeats, warmup=3) / 1e3
+        t_fp8 = median_ms(lambda: compiled(x, wq, ws), args.repeats, warmup=3) / 1e3
         ref = x.float() @ w.float().t()
         out = compiled(x, wq, ws).float()
         emul = ((xq.float() @ wq.float().t()) * xs * ws).bfloat16().float()  # the CPU path's math, on this GPU

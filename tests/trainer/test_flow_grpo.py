@@ -21,6 +21,21 @@ def task():
     return build_task("digits")
 
 
+@pytest.fixture
+def passes(monkeypatch):
+    """``forward_only`` of every ``run_microbatches`` call the loop makes, in order."""
+    from megatron_omni.trainer import build
+
+    calls, run_microbatches = [], build.run_microbatches
+
+    def spy(policy, forward_step, mbs, forward_only=False, **kw):
+        calls.append(forward_only)
+        return run_microbatches(policy, forward_step, mbs, forward_only=forward_only, **kw)
+
+    monkeypatch.setattr(build, "run_microbatches", spy)
+    return calls
+
+
 def _metrics(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
@@ -196,21 +211,14 @@ def test_microbatch_text_is_laid_out_as_the_engine_lays_it_out():
 
 
 @pytest.mark.numerics
-def test_check_folded_into_the_first_optimizer_step_equals_its_own_pass(tmp_path, single_rank, task, monkeypatch):
+def test_check_folded_into_the_first_optimizer_step_equals_its_own_pass(tmp_path, single_rank, task, monkeypatch,
+                                                                       passes):
     """When the first optimizer step trains every checked pair, the check reads that forward's log-probs (no
     forward-only pass of its own) and reports what its own pass reports: the same micro-batches at the same
     weights (here bit for bit: one kernel sequence; float32 rounding elsewhere); the training is unchanged."""
     from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
-    from megatron_omni.trainer import build
 
-    calls = []
-
-    def spy(policy, forward_step, mbs, forward_only=False, **kw):
-        calls.append(forward_only)
-        return run_microbatches(policy, forward_step, mbs, forward_only=forward_only, **kw)
-
-    run_microbatches = build.run_microbatches
-    monkeypatch.setattr(build, "run_microbatches", spy)
+    calls = passes
     cfg = load_config("digits_flow_grpo", None, TINY + ["train.steps=2"])
     train(cfg, single_rank, task, tmp_path / "folded")
     assert calls == [False, False] * 2  # two optimizer steps per RL step, nothing else (the check: the first's)
@@ -226,23 +234,14 @@ def test_check_folded_into_the_first_optimizer_step_equals_its_own_pass(tmp_path
     assert folded[0]["logprob_abs_diff"] <= 1e-6 and folded[0]["logprob_pearson"] > 0.999
 
 
-def test_fp8_rollout_trains_on_the_trainers_own_old_policy(tmp_path, single_rank, task, monkeypatch):
+def test_fp8_rollout_trains_on_the_trainers_own_old_policy(tmp_path, single_rank, task, passes):
     """``rollout.fp8``: π_old is the trainer's own recomputation at the rollout's weights -- the first optimizer step
     reads its own forward's log-probs (no extra pass), the second's are scored by one forward-only pass before any
     update.  At a learning rate too small to move a float32 weight every ratio is then exactly 1, on both paths,
     while the FP8 rollout's own log-probs, logged against the trainer's, differ from them (FP8 GEMMs in the CPU's
     float32 emulation).  Trained on the rollout's log-probs instead (``algorithm.old_log_prob=rollout``), the ratios
     are not 1; the trainer's own π_old without FP8 (``=trainer``) makes them exactly 1 too."""
-    from megatron_omni.trainer import build
-
-    calls = []
-
-    def spy(policy, forward_step, mbs, forward_only=False, **kw):
-        calls.append(forward_only)
-        return run_microbatches(policy, forward_step, mbs, forward_only=forward_only, **kw)
-
-    run_microbatches = build.run_microbatches
-    monkeypatch.setattr(build, "run_microbatches", spy)
+    calls = passes
     cfg = load_config("digits_flow_grpo", None, TINY + ["train.steps=1", "rollout.fp8=true", "train.lr=1e-30"])
     train(cfg, single_rank, task, tmp_path / "fp8")
     assert calls == [True, False, False]  # the second optimizer step's π_old, then the two optimizer steps
