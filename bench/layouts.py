@@ -61,8 +61,9 @@ def default_layouts(world: int) -> list[dict[str, int]]:
 
 
 def layout_name(layout: dict, world: int) -> str:
-    dp = world // (layout["tp"] * layout["cp"] * layout["pp"]) if world % (layout["tp"] * layout["cp"] *
-                                                                           layout["pp"]) == 0 else "?"
+    """E.g. "DP1 x TP1 x CP2 (Ulysses 2 x ring 1) x PP2 vpp2"; DP? where the world does not split into replicas."""
+    model_ranks = layout["tp"] * layout["cp"] * layout["pp"]
+    dp = world // model_ranks if world % model_ranks == 0 else "?"
     parts = [f"DP{dp}", f"TP{layout['tp']}"]
     cp, ulysses = layout["cp"], layout["ulysses"]
     parts.append(f"CP{cp}" + (f" (Ulysses {ulysses} x ring {cp // ulysses})" if cp > 1 else ""))

@@ -113,7 +113,8 @@ def _chunks_sharded_state_dict(model) -> dict[str, Any]:
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
     merged, seen = {}, set()
     for v, chunk in enumerate(chunks):
         sd = weights_sharded_state_dict(chunk)

@@ -59,10 +59,10 @@ class OnDevice(Sequence):
 
 
 class PartsOffload:
-    """A task's device-resident parts (objects holding ``nn.Module`` attributes, or lists of them, that they run on
-    their ``device``: a family's text encoder and VAE) moved to host memory by ``offload()`` and back by ``onload()``; ``wrap(fn)`` onloads
-    before ``fn`` runs.  Protocol: offload when training begins → onload at the next encode / decode.  Nothing
-    moves when the parts' device is the CPU."""
+    """A task's device-resident parts (objects holding ``nn.Module`` attributes, or lists of them, that they run
+    on their ``device``: a family's text encoder and VAE) moved to host memory by ``offload()`` and back by
+    ``onload()``; ``wrap(fn)`` onloads before ``fn`` runs.  Protocol: offload when training begins → onload at the
+    next encode / decode.  Nothing moves when the parts' device is the CPU."""
 
     def __init__(self, parts: Sequence[Any], device: torch.device | str):
         self.parts, self.device = list(parts), torch.device(device)
