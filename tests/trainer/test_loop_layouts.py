@@ -223,3 +223,47 @@ def test_checkpoint_at_pp2_vpp2_resumes_at_tp2(tmp_path):
     for a, b in zip(ranks[0], whole[1:]):
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
+
+
+PIPELINE = ["model.dtype=float32", "data.height=64", "data.width=64", "data.eval_prompts=4",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.num_steps=4", "rollout.window_range=[0,1]",
+            "lora.rank=4", "lora.alpha=8", "train.lr=1e-3", "train.micro_batch_size=4", "train.global_batch_size=8",
+            "train.steps=1", "train.save_every=0", "train.eval_every=0", "algorithm.logprob_check_samples=4",
+            "logging.wandb_mode=disabled", "reward.name=jpeg_compressibility", "reward.workers=1"]
+
+
+def _train_pipeline(state, overrides, out):
+    import torch
+
+    from megatron_omni.config import load_config
+    from megatron_omni.data.tasks import task_for
+    from megatron_omni.trainer.loop import train
+
+    torch.set_num_threads(1)
+    cfg = load_config("qwen_image_flow_grpo", None, overrides)
+    _, done = train(cfg, state, task_for(cfg, state.torch_device), out)
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in done]
+
+
+def test_pipeline_recipe_at_tp2_pp2_on_four_ranks_equals_one_process(tmp_path):
+    """One step of qwen_image_flow_grpo (LoRA, true CFG, the folder's text encoder and VAE) on a tiny pipeline
+    folder at TP2 x PP2 equals the single-process step; the single-process run parks the text encoder and VAE and
+    keeps its trajectories on the host (no-ops on a CPU, the code paths of data.offload_encoders and
+    rollout.trajectories_on all the same)."""
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+    from megatron_omni.testing.tiny_pipelines import build_qwen_image_pipeline
+
+    overrides = PIPELINE + [f"model.path={build_qwen_image_pipeline(tmp_path / 'qwen', seed=0)}"]
+    state = init_parallel(tp=1, seed=0, device="cpu")
+    try:
+        single = _train_pipeline(state, overrides + ["data.offload_encoders=true", "rollout.trajectories_on=host"],
+                                 tmp_path / "single")
+    finally:
+        destroy_parallel()
+    assert single[0]["grad_norm"] > 0 and single[0]["reward_std"] > 0
+    ranks = run_distributed(_train_pipeline, world_size=4, parallel={"tp": 2, "pp": 2},
+                            args=(overrides + ["parallel.tp=2", "parallel.pp=2"], tmp_path / "tp2_pp2"),
+                            timeout_s=900)
+    assert all(r == ranks[0] for r in ranks) and [m["step"] for m in ranks[0]] == [0]
+    for key in single[0]:
+        assert ranks[0][0][key] == pytest.approx(single[0][key], rel=REL, abs=ABS), key
