@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--pretrained", help="a pretrained checkpoint folder (the demo's DIR/pretrained); default: pretrain")
     p.add_argument("--pretrain-steps", type=int, default=None, help="default: the demo's (2 with --smoke)")
-    p.add_argument("--out", default="runs/bench_algorithms", help="run folders, results.json, table.md")
+    p.add_argument("--out", default="runs/bench_algorithms", help="run folders, results.json and the markdown table")
     p.add_argument("--plot", default=None, help="the PNG (default bench/algorithms_judge_vs_forwards.png; "
                                                 "--smoke: OUT/judge_vs_forwards.png)")
     args = p.parse_args(argv)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["wall_s"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
     text = table(summary)
-    (out / "table.md").write_text(text)
+    (out / "table").with_suffix(".md").write_text(text)  # (the markdown table)
     plot_path = Path(args.plot) if args.plot else (out / "judge_vs_forwards.png" if args.smoke else
                                                    ROOT / "bench" / "algorithms_judge_vs_forwards.png")
     plot(summary, plot_path)
