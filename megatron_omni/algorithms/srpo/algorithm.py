@@ -56,7 +56,9 @@ class SRPO(FlowGRPO):
         return srpo_forward_step(self.loss_config(cfg))
 
     def requests(self, run, step: int) -> list:
-        return [replace(r, sampler="ode", window_size=None, window_range=None) for r in super().requests(run, step)]
+        # ODE rollouts record no log-prob: a CPS recipe's "simple" form would be refused there (as for DiffusionNFT)
+        return [replace(r, sampler="ode", window_size=None, window_range=None, log_prob_form="gaussian")
+                for r in super().requests(run, step)]
 
     def check(self, run, trajs: list[Trajectory], text) -> dict[str, float]:
         return {}  # ODE rollouts: no log-probs to compare
