@@ -80,6 +80,13 @@ class LatentScorerReward:
                              f"Z = {self.model.channels} (set reward.options.channels to the VAE's latent channels)")
         return self.model(latents_NZHW.to(self.device, torch.float32)).cpu()
 
+    def differentiable_scores(self, latents_NZHW: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """[N] scores with gradients in ``latents_NZHW`` (the scorer's own weights stay frozen): SRPO's reward."""
+        if latents_NZHW.ndim != 4 or latents_NZHW.shape[1] != self.model.channels:
+            raise ValueError(f"latents of shape {tuple(latents_NZHW.shape)}; the scorer reads [N, Z, H, W] with "
+                             f"Z = {self.model.channels} (set reward.options.channels to the VAE's latent channels)")
+        return self.model(latents_NZHW.to(self.device, torch.float32)).to(latents_NZHW.device)
+
 
 # ---- HTTP: one JSON request per batch, float32 latents as base64 little-endian bytes -------------------------------
 

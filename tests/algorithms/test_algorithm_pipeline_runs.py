@@ -37,6 +37,22 @@ def test_two_steps_on_a_pipeline_folder(folder, tmp_path, name):
     assert ("logprob_abs_diff" in rows[0]) == (name not in ("diffusion_dpo", "diffusion_nft"))
 
 
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_srpo_two_steps_on_a_pipeline_folder_with_a_latent_reward(folder, tmp_path):
+    """SRPO on the pipeline folder with a differentiable latent reward (``latent_scorer``, random init): x̂0's latent
+    image is scored without the VAE, so the reward's gradient reaches the adapters."""
+    out = tmp_path / "srpo"
+    assert main(["train", "--recipe", "qwen_image_flow_grpo", f"model.path={folder}", *TINY, "algorithm.name=srpo",
+                 "reward.name=latent_scorer", "reward.options.channels=16", "reward.judge=null",
+                 f"train.output_dir={out}"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["grad_norm"] > 0 and r["optimizer_steps"] >= 1 and "srpo_reward" in r
+    assert rows[0]["srpo_reward"] != rows[1]["srpo_reward"]
+
+
 def test_srpo_on_a_pipeline_folder_is_refused_without_a_differentiable_reward():
     """SRPO back-propagates the reward through the task's decode: the pipeline recipe's rewards (OCR, JPEG) have no
     gradient, so the run is refused when its config is validated, naming the rewards that have one."""

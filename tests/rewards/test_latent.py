@@ -117,3 +117,20 @@ def test_pool_refuses_an_unknown_input_kind():
 
     with pytest.raises(ValueError, match=r"declares reads='pixels'; expected one of \('images', 'latents'\)"):
         AsyncRewardPool({"bad": Pixels()})
+
+
+def test_in_process_scorer_has_gradients_for_srpo():
+    """``latent_scorer`` is a differentiable reward (``differentiable_scores``): its values are the reward's, with
+    gradients in the latents and none in its frozen weights; SRPO may train on it."""
+    from megatron_omni.rewards.registry import has_gradient
+
+    assert has_gradient("latent_scorer") and not has_gradient("latent_http")
+    reward = build_reward("latent_scorer", channels=4, seed=3)
+    latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    scores = reward.differentiable_scores(latents, ["a"] * 3)
+    assert torch.allclose(scores.detach(), reward(latents.detach(), ["a"] * 3, None), rtol=0, atol=0)
+    scores.sum().backward()
+    assert latents.grad is not None and latents.grad.abs().sum() > 0
+    assert all(p.grad is None for p in reward.model.parameters())
+    with pytest.raises(ValueError, match="Z = 4"):
+        reward.differentiable_scores(torch.zeros(1, 3, 8, 8), ["a"])

@@ -6,7 +6,8 @@ whose gradient trains the policy (``srpo.loss``; docs/algorithms.md, SRPO).  The
 The trained reward (``reward.name``) must have gradients: its factory offers ``differentiable_scores`` (the reward
 registry's differentiable scorer interface); any other is refused when the config is validated.  The task's
 ``decode`` (latents -> what the reward reads) must be differentiable too (the digits task's is; a VAE pipeline's
-uint8 images are not: refused at the first loss).  Settings: algorithm.srpo.{timesteps_per_sample,
+uint8 images are not: refused at the first loss); a latent reward (``reads = "latents"``, e.g. ``latent_scorer``)
+reads the task's ``latents`` instead, differentiable on any pipeline folder (no VAE in the gradient).  Settings: algorithm.srpo.{timesteps_per_sample,
 timestep_range, positive_prompt, negative_prompt, reward_scale}; the rollout's sampler settings are ignored (ODE).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_omni.algorithms.clean_samples import rows_flops, text_length, trai
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
 from megatron_omni.algorithms.srpo.loss import SRPOLossConfig
 from megatron_omni.algorithms.srpo.step import srpo_forward_step, srpo_microbatches
+from megatron_omni.rewards.registry import reads_of
 from megatron_omni.rollout.engine import Trajectory
 
 
@@ -66,7 +68,9 @@ class SRPO(FlowGRPO):
     def train(self, run, trajs: list[Trajectory], advantages, text) -> dict[str, float]:
         """Optimizer steps over the rows; the group advantages are not used (the reward's gradient is)."""
         cfg, s = run.cfg, run.cfg.algorithm.srpo
-        scorer, decode = run.rewards.reward_fns["reward"], run.task.decode
+        scorer = run.rewards.reward_fns["reward"]
+        # what the reward reads: the task's images, or its latent images (a latent reward: no VAE in the gradient)
+        decode = run.task.latents if reads_of(scorer) == "latents" else run.task.decode
 
         def reward(x0_hat_BIC, prompts):
             return scorer.differentiable_scores(decode(x0_hat_BIC), prompts)
