@@ -72,7 +72,8 @@ class ParallelConfig:
         """The interleaved schedule runs micro-batches in groups of pp."""
         if self.vpp is not None and num_microbatches < self.pp:
             raise ConfigError(f"parallel.vpp: the interleaved schedule needs >= pp={self.pp} micro-batches per step, "
-                              f"got {num_microbatches}")
+                              f"got {num_microbatches}; expected a smaller train.micro_batch_size, more pairs per "
+                              f"pass, or parallel.vpp=null")
 
 
 @dataclass

@@ -70,6 +70,7 @@ class Run:
         if self.cfg.rollout.trajectories_on == "host":  # built from host trajectories: to the device one by one
             microbatches = OnDevice(microbatches, self.policy.state.torch_device)
         if self.policy.state.vpp:  # the interleaved schedule sends tensors of one shape, given up front
+            self.cfg.parallel.check_microbatches(len(microbatches))
             kwargs["boundary_shape"] = self.boundary_shape(microbatches)
         metrics, grad_norm = run_microbatches(self.policy, self.forward_step, microbatches, **kwargs)
         return broadcast_from_last_stage(metrics, self.policy.state.pp_group), grad_norm
