@@ -11,10 +11,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("family,fused,blocks", [("sd3", 5, 3), ("qwen_image", 6, 2)])
+@pytest.mark.parametrize("family,fused,blocks", [("sd3", 9, 3), ("qwen_image", 6, 2)])
 def test_smoke_prints_the_table(family, fused, blocks):
     """SD3's tiny config: 3 blocks, the last ``context_pre_only`` (no text MLP): 5 GELU MLPs take the fc1 epilogue
-    path on the CPU; Qwen-Image's 2 blocks: 4 MLPs and the 2 joint attentions."""
+    path on the CPU, and 4 attentions the q / k norm kernel (3 joint, MMDiT-X's image-only one in its dual-attention
+    block); Qwen-Image's 2 blocks: 4 MLPs and the 2 joint attentions."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_forward.py"), "--family", family, "--smoke",
                           "--repeats", "1", "--fusion", "fused", "unfused", "--modulation", "table", "computed"],
                          cwd=ROOT / "bench", capture_output=True, text=True, timeout=300)
