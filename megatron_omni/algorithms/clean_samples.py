@@ -1,15 +1,18 @@
 """What the algorithms that train on the rollout's final (clean) samples share (Diffusion-DPO, DiffusionNFT): the
-noised sample x_t = (1 − t)·x0 + t·ε with its flow-matching target ε − x0, seeded per sample and draw, and the
-FLOPs of a step counted row by row at each row's text length, and the optimizer steps over their micro-batches.
+noised sample x_t = (1 − t)·x0 + t·ε with its flow-matching target ε − x0, seeded per sample and draw, the ODE
+rollout requests and the tensors of a micro-batch of such rows, the FLOPs of a step counted row by row at each
+row's text length, and the optimizer steps over their micro-batches.
 
 Legend: I image tokens, C packed channels.
 """
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
+from megatron_omni.algorithms.flow_grpo.microbatches import _text_rows
 from megatron_omni.data.prompts import request_seed
 from megatron_omni.data.text_layout import padded_length
 from megatron_omni.rollout.engine import Trajectory
@@ -25,6 +28,25 @@ def noised(x0_BX: torch.Tensor, eps_BX: torch.Tensor, t_B: torch.Tensor) -> torc
     """x_t = (1 − t)·x0 + t·ε (rectified flow, docs/algorithms.md), t per row."""
     t_B1 = t_B.view(-1, *([1] * (x0_BX.dim() - 1)))
     return (1 - t_B1) * x0_BX + t_B1 * eps_BX
+
+
+def ode_requests(requests: list) -> list:
+    """The requests as ODE rollouts: final samples only, no SDE window, no log-prob form (a CPS recipe's "simple"
+    belongs to its SDE steps and is refused for ODE)."""
+    return [replace(r, sampler="ode", window_size=None, window_range=None, log_prob_form="gaussian")
+            for r in requests]
+
+
+def row_tensors(trajs: list[Trajectory], chunk: list[tuple], text, text_pad_multiple: int) -> tuple:
+    """One micro-batch's rows (sample index, t, ε [I, C]) as (samples, x0 [B, I, C] float32, ε [B, I, C], t [B],
+    (text [B, T, E], mask, extras)) on the samples' device, text laid out as the rollout engine lays it out."""
+    samples = [trajs[i] for i, _, _ in chunk]
+    device = samples[0].latents.device
+    x0 = torch.stack([s.final_sample.float() for s in samples])
+    eps = torch.stack([e for _, _, e in chunk]).to(device)
+    t = torch.tensor([t for _, t, _ in chunk], device=device)
+    (text_rows,) = _text_rows(samples, text, False, text_pad_multiple, device)
+    return samples, x0, eps, t, text_rows
 
 
 def rows_flops(run, trajs: list[Trajectory], text, train_rows: Counter, forward_rows: Counter | None = None,

@@ -50,7 +50,7 @@ def test_loss_and_gradient_by_hand(negative):
 
 def test_a_reward_without_gradient_is_refused():
     with pytest.raises(ConfigError, match=r"algorithm.srpo: reward.name='jpeg_compressibility' has no gradient.*"
-                                          r"one of \['digit_classifier'\]"):
+                                          r"one of \['digit_classifier', 'latent_scorer'\]"):
         load_config("digits_flow_grpo", None, ["algorithm.name=srpo", "reward.name=jpeg_compressibility"])
     v = torch.zeros(2, 2, requires_grad=True)
     with pytest.raises(ValueError, match="the reward's score has no gradient"):  # a scorer that leaves autograd

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import replace
 
 from megatron_omni.algorithms.base import RecordSpec
-from megatron_omni.algorithms.clean_samples import rows_flops, text_length, train_steps
+from megatron_omni.algorithms.clean_samples import ode_requests, rows_flops, text_length, train_steps
 from megatron_omni.algorithms.diffusion_nft.loss import NFTLossConfig
 from megatron_omni.algorithms.diffusion_nft.step import nft_forward_step, nft_microbatches, with_old_velocity
 from megatron_omni.algorithms.ema_policy import EMAPolicy
@@ -61,9 +60,7 @@ class DiffusionNFT(FlowGRPO):
         return nft_forward_step(self.loss_config(cfg), reference)
 
     def requests(self, run, step: int) -> list:
-        # ODE rollouts: no log-probs, so no log-prob form (a CPS recipe's "simple" belongs to its SDE steps)
-        return [replace(r, sampler="ode", window_size=None, window_range=None, log_prob_form="gaussian")
-                for r in super().requests(run, step)]
+        return ode_requests(super().requests(run, step))
 
     def check(self, run, trajs: list[Trajectory], text) -> dict[str, float]:
         return {}  # ODE rollouts: no log-probs to compare

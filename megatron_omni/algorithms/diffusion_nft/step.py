@@ -13,9 +13,8 @@ from typing import Iterator
 
 import torch
 
-from megatron_omni.algorithms.clean_samples import noised, sample_generator
+from megatron_omni.algorithms.clean_samples import noised, row_tensors, sample_generator
 from megatron_omni.algorithms.diffusion_nft.loss import NFTLossConfig, diffusion_nft_loss
-from megatron_omni.algorithms.flow_grpo.microbatches import _text_rows
 from megatron_omni.algorithms.flow_grpo.step import ReferenceFn
 from megatron_omni.rollout.engine import Trajectory
 
@@ -60,14 +59,9 @@ def nft_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text, 
     rows, out = training_rows(trajs, timesteps), []
     for k in range(0, len(rows), size):
         chunk = rows[k:k + size]
-        samples = [trajs[i] for i, _, _ in chunk]
-        device = samples[0].latents.device
-        x0 = torch.stack([s.final_sample.float() for s in samples])
-        eps = torch.stack([e for _, _, e in chunk]).to(device)
-        t = torch.tensor([t for _, t, _ in chunk], device=device)
-        (txt, mask, extras), = _text_rows(samples, text, False, text_pad_multiple, device)
+        samples, x0, eps, t, (txt, mask, extras) = row_tensors(trajs, chunk, text, text_pad_multiple)
         out.append(NFTMicroBatch(x_t=noised(x0, eps, t), x0=x0, t=t, txt=txt, txt_mask=mask,
-                                 advantage=advantages_N[[i for i, _, _ in chunk]].to(device),
+                                 advantage=advantages_N[[i for i, _, _ in chunk]].to(x0.device),
                                  img_fhw=samples[0].request.img_fhw, txt_extras=extras or None))
     return out
 

@@ -13,10 +13,9 @@ timestep_range, positive_prompt, negative_prompt, reward_scale}; the rollout's s
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 
 from megatron_omni.algorithms.base import RecordSpec
-from megatron_omni.algorithms.clean_samples import rows_flops, text_length, train_steps
+from megatron_omni.algorithms.clean_samples import ode_requests, rows_flops, text_length, train_steps
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
 from megatron_omni.algorithms.srpo.loss import SRPOLossConfig
 from megatron_omni.algorithms.srpo.step import srpo_forward_step, srpo_microbatches
@@ -58,9 +57,7 @@ class SRPO(FlowGRPO):
         return srpo_forward_step(self.loss_config(cfg))
 
     def requests(self, run, step: int) -> list:
-        # ODE rollouts record no log-prob: a CPS recipe's "simple" form would be refused there (as for DiffusionNFT)
-        return [replace(r, sampler="ode", window_size=None, window_range=None, log_prob_form="gaussian")
-                for r in super().requests(run, step)]
+        return ode_requests(super().requests(run, step))
 
     def check(self, run, trajs: list[Trajectory], text) -> dict[str, float]:
         return {}  # ODE rollouts: no log-probs to compare

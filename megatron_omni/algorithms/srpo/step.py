@@ -14,8 +14,7 @@ from typing import Iterator
 
 import torch
 
-from megatron_omni.algorithms.clean_samples import noised, sample_generator
-from megatron_omni.algorithms.flow_grpo.microbatches import _text_rows
+from megatron_omni.algorithms.clean_samples import noised, row_tensors, sample_generator
 from megatron_omni.algorithms.srpo.loss import DifferentiableReward, SRPOLossConfig, srpo_loss
 from megatron_omni.rollout.engine import Trajectory
 
@@ -63,13 +62,7 @@ def srpo_microbatches(trajs: list[Trajectory], text, reward: DifferentiableRewar
                          "text-to-image requests")
     rows, out = srpo_rows(trajs, timesteps, t_range), []
     for k in range(0, len(rows), size):
-        chunk = rows[k:k + size]
-        samples = [trajs[i] for i, _, _ in chunk]
-        device = samples[0].latents.device
-        x0 = torch.stack([s.final_sample.float() for s in samples])
-        eps = torch.stack([e for _, _, e in chunk]).to(device)
-        t = torch.tensor([t for _, t, _ in chunk], device=device)
-        (txt, mask, extras), = _text_rows(samples, text, False, text_pad_multiple, device)
+        samples, x0, eps, t, (txt, mask, extras) = row_tensors(trajs, rows[k:k + size], text, text_pad_multiple)
         if extras:  # (a family's per-prompt conditioning beside the text, e.g. SD3's pooled embedding)
             raise ValueError(f"srpo: text extras {sorted(extras)} are not carried by its micro-batches yet; expected "
                              f"a family without them (Qwen-Image)")
