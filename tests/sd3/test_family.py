@@ -92,7 +92,9 @@ def test_bf16_forward_follows_diffusers_rounding(single_rank):
 @pytest.mark.numerics
 def test_inference_fusions_take_the_mlps(single_rank):
     """The rollout's switch (fuse_inference) reaches SD3's GELU-tanh MLPs (fc1 + GELU in the GEMM epilogue on CUDA;
-    the same math as torch ops here): every block's image MLP and all but the last block's text MLP."""
+    the same math as torch ops here): every block's image MLP and all but the last block's text MLP; and its
+    attentions (the q / k norm kernel, e4849ca): every block's joint one and the dual-attention blocks' image-only
+    one."""
     from model_specs.common.fusion import fuse_inference
 
     arch = tiny_config()
@@ -100,7 +102,8 @@ def test_inference_fusions_take_the_mlps(single_rank):
     img, txt, pooled, sigma = make_inputs(arch, 2, 5, (3, 4))
     with torch.no_grad():
         plain = model(img, txt, sigma, (1, 3, 4), None, pooled)
-        assert fuse_inference(model, strict=True) == 2 * arch.num_layers - 1
+        mlps, attentions = 2 * arch.num_layers - 1, arch.num_layers + len(arch.dual_attention_layers)
+        assert fuse_inference(model, strict=True) == mlps + attentions
         err = rel_err(model(img, txt, sigma, (1, 3, 4), None, pooled), plain)
     fuse_inference(model, enable=False)
     assert err <= 1e-6
