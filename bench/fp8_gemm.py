@@ -6,6 +6,8 @@ Per linear of a block (image-stream rows: batch 32 x 1024 tokens at 512²): the 
 on pre-quantized operands (the kernel alone); the whole FP8 product as the engine runs it (the input's per-row
 quantization, compiled as the rollout compiles it, then the kernel); and the product's error against a float32
 reference, beside the float32 emulation's (the CPU path the tests check: equal math, so equal error to rounding).
+Each FP8 figure twice: with the kernel's fast accumulation (``rollout.fp8_fast_accum=true``, the default) and
+with promoted ("split") accumulation.
 Median of ``--repeats`` timed runs after warm-up (CUDA events).  GPU only (sm89+).
 """
 from __future__ import annotations
@@ -34,9 +36,9 @@ def main(argv=None) -> None:
 
     compiled = torch.compile(fp8_matmul, dynamic=False)
     table = Table(title=f"FP8 vs bf16 GEMMs, {args.rows} rows, {torch.cuda.get_device_name()}, median of "
-                        f"{args.repeats}")
-    for col in ("linear", "K x N", "bf16 mm ms", "TFLOP/s", "scaled_mm ms", "TFLOP/s", "FP8 product ms",
-                "TFLOP/s", "speed-up", "rel err FP8", "rel err emul.", "FP8 vs emul."):
+                        f"{args.repeats}; FP8 columns: fast / split accumulation")
+    for col in ("linear", "K x N", "bf16 mm ms (TFLOP/s)", "scaled_mm ms (TFLOP/s)", "FP8 product ms (TFLOP/s)",
+                "speed-up", "rel err FP8", "rel err emul.", "FP8 vs emul."):
         table.add_column(col, justify="left" if col == "linear" else "right")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, k, n in LINEARS:
@@ -47,17 +49,23 @@ def main(argv=None) -> None:
         xq, xs = quantize_rows(x)
         flops = 2 * args.rows * k * n
         t_bf16 = median_ms(lambda: torch.mm(x, w.t()), args.repeats, warmup=3) / 1e3
-        t_kernel = median_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16),
-                             args.repeats, warmup=3) / 1e3
-        t_fp8 = median_ms(lambda: compiled(x, wq, ws), args.repeats, warmup=3) / 1e3
         ref = x.float() @ w.float().t()
-        out = compiled(x, wq, ws).float()
         emul = ((xq.float() @ wq.float().t()) * xs * ws).bfloat16().float()  # the CPU path's math, on this GPU
         rel = lambda a: ((a - ref).norm() / ref.norm()).item()  # noqa: E731
-        table.add_row(name, f"{k} x {n}", f"{t_bf16 * 1e3:.3f}", f"{flops / t_bf16 / 1e12:.0f}",
-                      f"{t_kernel * 1e3:.3f}", f"{flops / t_kernel / 1e12:.0f}", f"{t_fp8 * 1e3:.3f}",
-                      f"{flops / t_fp8 / 1e12:.0f}", f"{t_bf16 / t_fp8:.2f} x", f"{rel(out):.2e}", f"{rel(emul):.2e}",
-                      f"{((out - emul).norm() / emul.norm()).item():.1e}")
+        kernel, product, speed, err, vs_emul = [], [], [], [], []
+        for fast in (True, False):
+            t_kernel = median_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                                          out_dtype=torch.bfloat16, use_fast_accum=fast),
+                                 args.repeats, warmup=3) / 1e3
+            t_fp8 = median_ms(lambda: compiled(x, wq, ws, fast), args.repeats, warmup=3) / 1e3
+            out = compiled(x, wq, ws, fast).float()
+            kernel.append(f"{t_kernel * 1e3:.3f} ({flops / t_kernel / 1e12:.0f})")
+            product.append(f"{t_fp8 * 1e3:.3f} ({flops / t_fp8 / 1e12:.0f})")
+            speed.append(f"{t_bf16 / t_fp8:.2f} x")
+            err.append(f"{rel(out):.2e}")
+            vs_emul.append(f"{((out - emul).norm() / emul.norm()).item():.1e}")
+        table.add_row(name, f"{k} x {n}", f"{t_bf16 * 1e3:.3f} ({flops / t_bf16 / 1e12:.0f})", " / ".join(kernel),
+                      " / ".join(product), " / ".join(speed), " / ".join(err), f"{rel(emul):.2e}", " / ".join(vs_emul))
     table.caption = ("FP8 product = per-row quantization of the bf16 input (compiled) + torch._scaled_mm with per-row "
                      "scales, bf16 out; rel err = ||out - x W^T|| / ||x W^T|| against float32; emul. = the float32 "
                      "emulation model_specs.common.fp8 runs off the GPU")

@@ -23,6 +23,27 @@ def real_tokens(emb_TE: torch.Tensor, mask_T: torch.Tensor | None, prompt: str) 
     return emb_TE.detach().clone()
 
 
+def real_tokens_of(entries: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, torch.Tensor]:
+    """``real_tokens`` of many prompts ({prompt: (emb [T, E], mask [T] or None)}) with one read of their masks
+    on the host (the boolean indexing of ``real_tokens`` reads each mask apart: a device sync per prompt); a mask
+    whose real tokens are a prefix (right padding, as the text encoders pad) is a slice, no index on the device."""
+    masked = [(p, emb, mask) for p, (emb, mask) in entries.items() if mask is not None]
+    for p, emb, mask in masked:
+        if tuple(mask.shape) != tuple(emb.shape[:1]):
+            raise ValueError(f"prompt {p!r}: mask has shape {tuple(mask.shape)}; expected [{emb.shape[0]}]")
+    host = torch.cat([m.reshape(-1).to(torch.bool) for _, _, m in masked]).cpu() if masked else None
+    out, at = {}, 0
+    for p, (emb, mask) in entries.items():
+        if mask is None:
+            out[p] = real_tokens(emb, None, p)
+            continue
+        m = host[at:at + mask.shape[0]]
+        at += mask.shape[0]
+        n = int(m.sum())
+        out[p] = real_tokens(emb[:n], None, p) if bool(m[:n].all()) else real_tokens(emb, m.to(emb.device), p)
+    return out
+
+
 def padded_length(lengths, multiple: int) -> int:
     """The longest of ``lengths`` rounded up to a multiple of ``multiple``."""
     return -(-max(lengths) // multiple) * multiple

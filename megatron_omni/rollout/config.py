@@ -22,6 +22,10 @@ class EngineConfig:
     # GPU, a float32 emulation of it elsewhere); training stays in the model dtype and recomputes pi_old itself
     # (the rollout's log-probs are then logged against the trainer's, not trained on)
     fp8: bool = False
+    # with fp8 on a GPU: the FP8 GEMMs accumulate with the tensor cores' fast accumulation (``torch._scaled_mm``'s
+    # use_fast_accum; Transformer Engine's choice for forward GEMMs), false = promoted (split) accumulation, slower
+    # and closer to float32; the CPU emulation accumulates in float32 either way
+    fp8_fast_accum: bool = True
 
     def check_engine(self) -> None:
         """Raise ValueError naming the engine setting that cannot work."""

@@ -230,12 +230,15 @@ class _WeightStager:
 
 class EmbeddedEngine:
     """In-process rollout engine on any family's denoiser (``model_specs.family``: the family of ``arch``), TP=1
-    by default; at TP > 1 every rank of the group must call ``generate`` with the same requests.  The model runs
-    in eval mode under ``torch.no_grad``; sampler math is float32 whatever the model dtype."""
+    by default.  A model sharded over ranks (its TP shard ``tp_rank`` of ``tp_size``, or its image tokens split
+    over a CP group) runs every forward with the other ranks of ``groups`` (its TP and CP groups): each of them
+    must call ``generate`` with the same requests, in the same order (checked: a digest of the requests is compared
+    over ``groups`` at every call), and then draws the same random numbers (each request's own generators).  The
+    model runs in eval mode under ``torch.no_grad``; sampler math is float32 whatever the model dtype."""
 
     def __init__(self, model: torch.nn.Module, arch, encode_prompts: EncodeFn | None = None,
                  config: EngineConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 initial_noise: NoiseFn | None = None):
+                 initial_noise: NoiseFn | None = None, groups: Sequence = ()):
         self.config = config or EngineConfig()
         self.config.check_engine()
         self.family: ModelFamily = family_of(arch)
@@ -246,9 +249,11 @@ class EmbeddedEngine:
         self._device, self._dtype = first.device, first.dtype
         if self.config.fp8:
             check_fp8_device(self._device)
-        self.fp8 = enable_fp8(model) if self.config.fp8 else 0  # (before the fusions: an epilogue yields to FP8)
+        # (before the fusions: an epilogue yields to FP8)
+        self.fp8 = enable_fp8(model, fast_accum=self.config.fp8_fast_accum) if self.config.fp8 else 0
         self.fused = fuse_inference(model) if self.config.fuse else 0
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.groups = [g for g in groups if g is not None and g.size() > 1]  # ranks that run each forward together
         self._prompt_cache: dict[str, tuple[torch.Tensor, TextExtras]] = {}  # prompt -> (real tokens [T, E], extras)
         self._run_lock = threading.Lock()  # one batch (or weight load) at a time
         self._cv = threading.Condition()  # guards the submit() queue below
@@ -261,6 +266,8 @@ class EmbeddedEngine:
     # ---- requests -> batches ------------------------------------------------------------------
     def generate(self, requests: Sequence[Request]) -> list[Trajectory]:
         """Trajectories in request order; compatible requests share forwards, up to max_num_seqs each."""
+        if self.groups:
+            check_same_requests(requests, self.groups)
         prepared = self._prepare(requests)
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(prepared):
@@ -277,6 +284,9 @@ class EmbeddedEngine:
     def submit(self, request: Request) -> Future:
         """Queue one request; a worker thread runs it once max_num_seqs compatible requests wait or
         ``wait_ms`` has passed since it arrived.  The future gives its Trajectory."""
+        if self.groups:  # its batches depend on arrival times, which no two ranks share
+            raise RuntimeError("submit() on an engine sharded over ranks: its batches follow arrival times, which "
+                               "differ between ranks; expected generate() with the same requests on every rank")
         (prepared,) = self._prepare([request])
         future: Future = Future()
         with self._cv:
@@ -519,6 +529,46 @@ class EmbeddedEngine:
             if self._asleep:
                 self.model.to(self._device)
                 self._asleep = False
+
+
+def requests_digest(requests: Sequence[Request]) -> str:
+    """A digest of what decides the requests' samples: every field, a tensor by its shape, dtype and bytes."""
+    import hashlib
+    from dataclasses import fields
+
+    h = hashlib.blake2b(digest_size=16)
+    for r in requests:
+        for f in fields(r):
+            value = getattr(r, f.name)
+            if isinstance(value, dict):  # text extras
+                value = sorted(value.items())
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.Tensor):
+                    h.update(v[0].encode())
+                    v = v[1]
+                if isinstance(v, torch.Tensor):
+                    t = v.detach().cpu().contiguous()
+                    h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+                    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                else:
+                    h.update(repr(v).encode())
+    return h.hexdigest()
+
+
+def check_same_requests(requests: Sequence[Request], groups: Sequence) -> None:
+    """RuntimeError unless every rank of each of ``groups`` was given the same requests (by digest): the ranks of a
+    sharded engine run each forward together, so different requests would mix their samples or hang."""
+    import torch.distributed as dist
+
+    mine = requests_digest(requests)
+    for group in groups:
+        digests = [None] * group.size()
+        dist.all_gather_object(digests, (mine, len(requests)), group=group)
+        if any(d != digests[0] for d in digests):
+            ranks = dist.get_process_group_ranks(group)
+            raise RuntimeError(f"sharded rollout engine: the ranks {ranks} of one engine were given different "
+                               f"requests ((digest, count) per rank: {digests}); expected the same requests, in the "
+                               f"same order, on every rank of its TP / CP group")
 
 
 def _uncond_recorder(items: list[_Prepared], trained_BN: torch.Tensor,

@@ -37,12 +37,15 @@ def quantize_rows(t_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t / scale_M1).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale_M1
 
 
-def fp8_matmul(x_MK: torch.Tensor, w_q_NK: torch.Tensor, w_scale_1N: torch.Tensor) -> torch.Tensor:
+def fp8_matmul(x_MK: torch.Tensor, w_q_NK: torch.Tensor, w_scale_1N: torch.Tensor,
+               fast_accum: bool = True) -> torch.Tensor:
     """x W^T [M, N] in x's dtype from the quantized weight (``quantize_rows(W)``, its scales as a contiguous row
-    [1, N], the kernel's layout); x is quantized per row here."""
+    [1, N], the kernel's layout); x is quantized per row here.  ``fast_accum``: the kernel's fast accumulation
+    (the GPU only; the emulation accumulates in float32)."""
     x_q, x_scale = quantize_rows(x_MK)
     if x_MK.is_cuda:
-        return torch._scaled_mm(x_q, w_q_NK.t(), scale_a=x_scale, scale_b=w_scale_1N, out_dtype=x_MK.dtype)
+        return torch._scaled_mm(x_q, w_q_NK.t(), scale_a=x_scale, scale_b=w_scale_1N, out_dtype=x_MK.dtype,
+                                use_fast_accum=fast_accum)
     # the kernel's math in float32: the same quantized operands, scaled after the product
     return ((x_q.float() @ w_q_NK.float().t()) * x_scale * w_scale_1N).to(x_MK.dtype)
 
@@ -63,6 +66,7 @@ class FP8Linear:
     fp8_scale: torch.Tensor | None = None  # [1, N] float32
     _fp8_on = False
     _fp8_version: tuple | None = None
+    fp8_fast_accum = True  # the GPU kernel's fast accumulation (fp8_matmul)
 
     def fp8_capable(self) -> bool:
         """Whether this linear's product is a plain local x W^T (no sequence parallelism, no output gather)."""
@@ -70,9 +74,10 @@ class FP8Linear:
         return (not getattr(self, "sequence_parallel", False) and not getattr(self, "gather_output", False)
                 and k % 16 == 0 and n % 16 == 0)
 
-    def set_fp8(self, enable: bool) -> bool:
+    def set_fp8(self, enable: bool, fast_accum: bool = True) -> bool:
         """Switch the FP8 path on (quantizing the weight) or off (dropping the copy); returns whether it is on."""
         self._fp8_on = bool(enable) and self.fp8_capable()
+        self.fp8_fast_accum = bool(fast_accum)
         self.fp8_weight = self.fp8_scale = self._fp8_version = None
         self.refresh_fp8()
         return self._fp8_on
@@ -96,7 +101,7 @@ class FP8Linear:
         if self.fp8_weight is None:
             raise RuntimeError(f"{type(self).__name__}: FP8 is on but the weight was not quantized; call refresh_fp8()")
         x_MK = x.reshape(-1, x.shape[-1])
-        return fp8_matmul(x_MK, self.fp8_weight, self.fp8_scale).view(*x.shape[:-1], -1)
+        return fp8_matmul(x_MK, self.fp8_weight, self.fp8_scale, self.fp8_fast_accum).view(*x.shape[:-1], -1)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         bias = kwargs.get("bias", args[0] if args else None)
@@ -111,10 +116,11 @@ def fp8_linears(model: torch.nn.Module):
     return ((name, m) for name, m in model.named_modules() if isinstance(m, FP8Linear))
 
 
-def enable_fp8(model: torch.nn.Module, enable: bool = True) -> int:
-    """Switch every FP8-capable local linear of ``model`` to FP8 products (``enable=False``: all back);
-    returns how many are on.  Call before ``fusion.fuse_inference``: a fused GEMM epilogue yields to FP8."""
-    return sum(m.set_fp8(enable) for _, m in fp8_linears(model))
+def enable_fp8(model: torch.nn.Module, enable: bool = True, fast_accum: bool = True) -> int:
+    """Switch every FP8-capable local linear of ``model`` to FP8 products (``enable=False``: all back), with the
+    GPU kernel's fast accumulation or not; returns how many are on.  Call before ``fusion.fuse_inference``: a fused
+    GEMM epilogue yields to FP8."""
+    return sum(m.set_fp8(enable, fast_accum) for _, m in fp8_linears(model))
 
 
 def refresh_fp8(model: torch.nn.Module) -> None:

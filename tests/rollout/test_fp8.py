@@ -113,3 +113,12 @@ def test_engine_samples_with_fp8_gemms_and_gelu_epilogue_yields(model):
     assert not torch.equal(q.latents, bf.latents)
     rel = (q.latents - bf.latents).norm() / bf.latents.norm()
     assert rel < 1e-2  # (the rollout's own log-probs are the noise's alone: the trainer's re-scoring shows FP8's)
+
+
+def test_engine_passes_the_accumulation_setting_to_every_switched_linear(model):
+    """``rollout.fp8_fast_accum`` reaches each linear's kernel call (the GPU's ``use_fast_accum``; on by default)."""
+    on = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(fp8=True))
+    assert on.fp8 > 0 and all(m.fp8_fast_accum for _, m in fp8_linears(model) if m._fp8_on)
+    off = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(fp8=True, fp8_fast_accum=False))
+    switched = [m for _, m in fp8_linears(model) if m._fp8_on]
+    assert off.fp8 == len(switched) > 0 and not any(m.fp8_fast_accum for m in switched)

@@ -20,7 +20,7 @@ import torch
 from dataclasses import replace
 
 from megatron_omni.algorithms.flow_grpo.step import FlowGRPOMicroBatch
-from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
+from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens, real_tokens_of
 from megatron_omni.rollout.engine import EngineConfig, Trajectory
 from model_specs.family import stack_extras
 
@@ -29,7 +29,7 @@ TextTable = dict[str, tuple]
 
 
 def _pairs(trajs: list[Trajectory]) -> list[tuple[int, int]]:
-    return [(i, j) for i, tr in enumerate(trajs) for j in torch.nonzero(tr.trained).flatten().tolist()]
+    return [(i, j) for i, tr in enumerate(trajs) for j in torch.nonzero(tr.trained.cpu()).flatten().tolist()]
 
 
 def _reused_uncond(trajs: list[Trajectory], chunk: list[tuple[int, int]]) -> torch.Tensor:
@@ -40,8 +40,17 @@ def _reused_uncond(trajs: list[Trajectory], chunk: list[tuple[int, int]]) -> tor
         if tr.uncond_velocity is None:
             raise ValueError(f"trajectory {i} has no uncond_velocity to reuse: generate with "
                              f"Request(keep_uncond_velocity=True) and true CFG")
-        rows.append(tr.uncond_velocity[int(tr.trained[:j].sum())])  # kept in trained-step order
+        rows.append(tr.uncond_velocity[int(tr.trained[:j].cpu().sum())])  # kept in trained-step order
     return torch.stack(rows).float()
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device`` without stalling the host: through pinned memory, asynchronously, on a
+    GPU (a pageable host-to-device copy waits for the device's queue to drain)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def without_reused_uncond(mbs: list[FlowGRPOMicroBatch]) -> list[FlowGRPOMicroBatch]:
@@ -49,17 +58,25 @@ def without_reused_uncond(mbs: list[FlowGRPOMicroBatch]) -> list[FlowGRPOMicroBa
     return [replace(mb, uncond_velocity=None) for mb in mbs]
 
 
-def _text_rows(rows: list[Trajectory], text: TextTable, cfg: bool, multiple: int, device):
+def _table_entries(rows: list[Trajectory], text: TextTable, cfg: bool) -> dict[str, tuple]:
+    """{prompt: (emb, mask)} of the table's prompts that ``rows`` read (cond, and negative with ``cfg``)."""
+    used = {r.prompt for r in (t.request for t in rows) if r.prompt_emb is None}
+    used |= {r.negative_prompt for r in (t.request for t in rows) if cfg and r.negative_prompt_emb is None}
+    return {p: tuple(text[p][:2]) for p in sorted(used)}
+
+
+def _text_rows(rows: list[Trajectory], text: TextTable, cfg: bool, multiple: int, device,
+               real: dict[str, torch.Tensor] | None = None):
     """The micro-batch's cond (text, mask, extras), and with ``cfg`` the negative prompt's, each branch in the
     engine's layout: every prompt padded to its own multiple of ``multiple``, the branch to its longest row; the
-    extras (model_specs.family) stacked per row, {} for a family without."""
-    real = {}  # prompt -> its real tokens (once per prompt: the boolean indexing reads the mask on the host)
+    extras (model_specs.family) stacked per row, {} for a family without.  ``real``: the table's prompts' real
+    tokens (``text_layout.real_tokens_of``; None: of the rows' prompts, here)."""
+    if real is None:
+        real = real_tokens_of(_table_entries(rows, text, cfg))
 
     def tokens(prompt: str, emb: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         if emb is not None:  # the request's own embeddings (e.g. an edit's, encoded with its source image)
             return real_tokens(emb, mask, prompt)
-        if prompt not in real:
-            real[prompt] = real_tokens(*text[prompt][:2], prompt)
         return real[prompt]
 
     def extras(prompt: str, emb: torch.Tensor | None, own: dict | None) -> dict:
@@ -96,12 +113,19 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
     if not pairs:
         raise ValueError("no trained steps in these trajectories (sampler 'ode', or an empty SDE window)")
     device = trajs[0].latents.device
+    real = real_tokens_of(_table_entries(trajs, text, req.cfg))  # one host read of every mask
+    sigmas = [t.sigmas.cpu() for t in trajs]  # (on the host already: Trajectory keeps them there)
+    advantages_N = advantages_N.detach().float().cpu()
     out = []
     for k in range(0, len(pairs), size):
         chunk = pairs[k:k + size]
         rows = [trajs[i] for i, _ in chunk]
-        steps = torch.tensor([j for _, j in chunk])
-        (txt, mask, extras), *negative = _text_rows(rows, text, req.cfg, text_pad_multiple, device)
+        steps = [j for _, j in chunk]
+        # t, t', advantage of each pair: one asynchronous copy from the host
+        t_B, t_next_B, adv_B = _to_device(torch.stack([
+            torch.stack([sigmas[i][j] for i, j in chunk]), torch.stack([sigmas[i][j + 1] for i, j in chunk]),
+            advantages_N[[i for i, _ in chunk]]]), device).unbind(0)
+        (txt, mask, extras), *negative = _text_rows(rows, text, req.cfg, text_pad_multiple, device, real)
         uncond = {}
         if req.cfg:
             (u_txt, u_mask, u_extras), = negative
@@ -113,11 +137,10 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
             x_t=torch.stack([t.latents[j] for t, j in zip(rows, steps)]),
             txt=txt, txt_mask=mask, img_fhw=req.img_fhw, txt_extras=extras or None,
             x_next=torch.stack([t.latents[j + 1] for t, j in zip(rows, steps)]),
-            t=torch.stack([t.sigmas[j] for t, j in zip(rows, steps)]).to(device),
-            t_next=torch.stack([t.sigmas[j + 1] for t, j in zip(rows, steps)]).to(device),
+            t=t_B, t_next=t_next_B,
             old_log_prob=torch.stack([t.log_probs[j] for t, j in zip(rows, steps)]).to(device),
-            advantage=advantages_N[[i for i, _ in chunk]].to(device),
-            noise_level=req.noise_level, sigma_1=float(rows[0].sigmas[1]), sampler=req.sampler,
+            advantage=adv_B,
+            noise_level=req.noise_level, sigma_1=float(sigmas[chunk[0][0]][1]), sampler=req.sampler,
             log_prob_form=req.log_prob_form, **uncond,
             context=None if req.context_latents is None else
             torch.stack([t.request.context_latents for t in rows]).to(device)))
