@@ -123,7 +123,7 @@ def _estimate_memory(cfg, args: argparse.Namespace) -> int:
     world = args.world_size or p.tp * p.cp * p.pp
     device = args.device_memory * GIB if args.device_memory else None
     try:
-        est = estimate(cfg, world)
+        est = estimate(cfg, world, device_bytes=device)  # (the device resolves rollout.engine_parallel=auto)
         if device:
             check_fits(est, device)
     except ValueError as e:

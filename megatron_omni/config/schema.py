@@ -247,6 +247,12 @@ class RolloutConfig(EngineConfig):
     # where a step's trajectories wait between the rollout and training: device, or host (pinned when the device is
     # a GPU; each training micro-batch is copied to the device as the schedule reaches it: trainer/offload.py)
     trajectories_on: Literal["device", "host"] = "device"
+    # how the in-process engine (sync.engine_placement=in_process) is laid out over the trainer's ranks (every rank
+    # holds every block, whatever parallel.pp).  whole: TP=1 on every rank, each CP rank the whole sequence.  tp: the
+    # trainer's TP shards (1/tp of the blocks' linears per rank; the TP group's ranks generate the same requests
+    # together).  tp_cp: tp, and each rollout forward's image tokens split over the CP group as in training (USP).
+    # auto: tp when the whole engine would not fit the device (megatron_omni.trainer.memory), else whole
+    engine_parallel: Literal["auto", "whole", "tp", "tp_cp"] = "auto"
 
     def validate(self) -> None:
         try:
@@ -503,6 +509,11 @@ class RunConfig:
 
     def _validate_split(self) -> None:
         p = self.parallel
+        if self.sync.engine_placement != "in_process" and self.rollout.engine_parallel in ("tp", "tp_cp"):
+            raise ConfigError(f"rollout.engine_parallel: {self.rollout.engine_parallel} lays out the in-process "
+                              f"engine over the trainer's groups; with sync.engine_placement="
+                              f"{self.sync.engine_placement} each engine process holds the whole model: expected "
+                              f"whole or auto, or sync.engine_placement=in_process")
         if self.sync.engine_placement != "in_process" and p.pp > 1:
             raise ConfigError(f"sync.engine_placement: {self.sync.engine_placement} with parallel.pp={p.pp}; the "
                               f"FlowGRPO loop sends from one stage today, expected pp=1 or in_process")

@@ -12,6 +12,8 @@ digest and reused while the digests and the engine's parameters stay the same:
   new, and the engine then refuses to generate until a sync of the whole model succeeds
   (``EmbeddedEngine.writing_weights``).
 Plain (name, tensor) pairs go the staged way (``engine.load_weights``, ``load_peft_state_dict``).
+A policy's own shards (``HFExporter.shards``, for an engine sharded as the policy) go straight into the engine's
+tensors of the same names (``load_shards``): no gather, no conversion.
 """
 from __future__ import annotations
 
@@ -124,6 +126,36 @@ def _load_pairs(engine, mode: str, pairs: Iterable[tuple[str, torch.Tensor]]) ->
     state = {name: t.detach().clone() for name, t in pairs}  # the buckets are reused: copy on receipt
     with getattr(engine, "_run_lock", None) or contextlib.nullcontext():
         load_peft_state_dict(engine.model, state)
+
+
+def load_shards(engine, mode: str, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy (name, tensor) pairs of a policy sharded as the engine is (its TP size and rank) into the engine's
+    tensors of those names: Megatron names for full / merged weights, peft names for LoRA adapters.  Every pair is
+    checked (a known name, given once, this rank's shape) before any is copied; returns the number copied."""
+    if mode == "lora":
+        held_now = {name: t for m in lora_modules(engine.model).values() for name, t, _ in m.peft_tensors()}
+    else:
+        held_now = base_tensors(engine.model)
+    dst, src = [], []
+    for name, t in pairs:
+        if name not in held_now:
+            kind = "LoRA adapter" if mode == "lora" else "parameter"
+            raise ValueError(f"shard load ({mode}): tensor {name!r} is not a {kind} of the engine's model")
+        target = held_now.pop(name)
+        if t.shape != target.shape or not t.is_floating_point():
+            raise ValueError(f"shard load ({mode}): tensor {name!r} has shape {tuple(t.shape)} and dtype {t.dtype}; "
+                             f"the engine's shard is {tuple(target.shape)}, floating point (at TP={engine.tp_size})")
+        dst.append(target.detach())
+        src.append(t.detach())
+    if mode == "lora":
+        with engine._run_lock, torch.no_grad():  # the adapters only: the base is the engine's own or shared
+            run_copies(copy_groups(dst, src))
+        return len(dst)
+    rules = engine.family.rules(engine.arch)
+    complete = not any(r.mcore in held_now for r in rules)
+    with engine.writing_weights(f"shard load ({mode})", complete=complete):
+        run_copies(copy_groups(dst, src))
+    return len(dst)
 
 
 def _prepared(st: _SyncState, key: tuple, build):

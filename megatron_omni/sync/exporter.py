@@ -14,6 +14,10 @@ the TP-split local shards of consecutive rules are packed into one flat buffer a
 so extra memory is about ``bucket_bytes`` x (TP + 1) and the number of collectives is the number of
 buckets, not of tensors.
 
+``shards()`` yields this rank's own tensors instead, under Megatron names (peft names for adapters), without
+any gather: for an in-process engine sharded as the policy is (the same TP size and rank), which copies them as
+they are.
+
 Modes: "full" (the base weights as held), "merged" (LoRA folded in: W + alpha/r B A, one rule at a
 time) and "lora" (the adapters only, under peft's names).
 
@@ -178,6 +182,14 @@ class HFExporter:
             local[j] = torch.cat([out_TN[r, start:start + n].view(shape) for r in range(self.tp_size)], dim=dim)
             start += n
         return local
+
+    def shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Megatron name, or peft name for an adapter matrix; this rank's tensor) per item, no communication: a
+        parameter (or adapter view) itself, or a fresh merged weight.  For a receiver holding the same TP shard."""
+        self._resolve()
+        with torch.no_grad():
+            for i, item in enumerate(self.items):
+                yield (item.hf_name if item.rule is None else item.local_name), self._local_tensor(i)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, whole tensor) in ``plan()`` order; a collective over the TP group.  Every tensor stays

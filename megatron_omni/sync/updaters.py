@@ -49,13 +49,19 @@ class _Updater:
 
 
 class InProcessUpdater(_Updater):
-    """export → the in-process engine's receiver (no transport; every TP rank gathers and loads its own engine).
-    Under pipeline parallelism every rank's engine holds the whole model: each stage's tensors (its blocks and the
-    global tensors it owns, ``HFExporter``) are broadcast over the pipeline group, stage by stage, and under
-    interleaved PP chunk by chunk (an exporter per chunk)."""
+    """export → the in-process engine's receiver (no transport).  An engine sharded as the policy (the same TP size
+    and rank, e.g. both TP=1) takes this rank's own tensors as they are (``HFExporter.shards``: no TP gather, no
+    HF names); a whole engine beside a TP-sharded policy takes the gathered HF tensors, every TP rank loading its
+    own engine.  Under pipeline parallelism every rank's engine holds every block: each stage's tensors (its blocks
+    and the global tensors it owns, ``HFExporter``) are broadcast over the pipeline group (whose ranks share a TP
+    rank), stage by stage, and under interleaved PP chunk by chunk (an exporter per chunk)."""
 
     def _send(self, exporter: HFExporter) -> dict:
+        own_shard = self.engine.tp_size == exporter.tp_size and self.engine.tp_rank == (
+            dist.get_rank(self.tp_group) if exporter.tp_size > 1 else 0)
         if self.pp_group is None or dist.get_world_size(self.pp_group) == 1:
+            if own_shard:
+                return {"tensors": engine_side.load_shards(self.engine, exporter.mode, exporter.shards())}
             engine_side.load(self.engine, exporter.mode, exporter.tensors())
             return {"tensors": len(exporter.plan())}
         # one load of every stage's tensors: LoRA's commit takes the whole adapter set at once; a tensor every chunk
@@ -63,8 +69,10 @@ class InProcessUpdater(_Updater):
         pairs = {}
         for chunk_exporter in [exporter] + self._later_chunks(exporter.mode):
             for stage in range(dist.get_world_size(self.pp_group)):
-                for name, t in stage_tensors(chunk_exporter, self.pp_group, stage):
+                for name, t in stage_tensors(chunk_exporter, self.pp_group, stage, own_shard):
                     pairs.setdefault(name, t)
+        if own_shard:
+            return {"tensors": engine_side.load_shards(self.engine, exporter.mode, pairs.items())}
         engine_side.load(self.engine, exporter.mode, list(pairs.items()))
         return {"tensors": len(pairs)}
 
@@ -76,12 +84,14 @@ class InProcessUpdater(_Updater):
         return self.later_exporters[mode]
 
 
-def stage_tensors(exporter: HFExporter, pp_group, stage: int) -> list[tuple[str, torch.Tensor]]:
+def stage_tensors(exporter: HFExporter, pp_group, stage: int, shards: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Pipeline stage ``stage``'s exported (HF name, tensor) pairs on every rank of ``pp_group``: the stage
-    gathers them (over its TP group) and broadcasts names, shapes and dtypes, then each tensor."""
+    gathers them (over its TP group) and broadcasts names, shapes and dtypes, then each tensor.  With ``shards``:
+    its ranks' own shards under Megatron / peft names instead (``HFExporter.shards``: no gather)."""
     src = dist.get_global_rank(pp_group, stage)
     mine = dist.get_rank(pp_group) == stage
-    held = [(name, t.detach().clone()) for name, t in exporter.tensors()] if mine else []
+    pairs = exporter.shards() if shards else exporter.tensors()
+    held = [(name, t.detach().clone()) for name, t in pairs] if mine else []
     box = [[(name, tuple(t.shape), t.dtype) for name, t in held]]
     dist.broadcast_object_list(box, src=src, group=pp_group)
     device = next(exporter.module.parameters()).device

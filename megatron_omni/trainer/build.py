@@ -164,22 +164,42 @@ def _apply_lora(module: torch.nn.Module, cfg: RunConfig) -> None:
                cfg.model.family_impl.rules(module.arch), seed=cfg.train.seed)
 
 
-def shares_base(cfg: RunConfig, state: ParallelState) -> bool:
-    """Whether the in-process engine reads the policy's own frozen base weights (LoRA syncs on a whole TP=1 model:
-    the same tensors, so no second copy of the base, and only the adapters move)."""
+def engine_tp(cfg: RunConfig, state: ParallelState) -> int:
+    """The in-process engine's TP degree, ``rollout.engine_parallel`` resolved: the trainer's TP (``tp``, ``tp_cp``;
+    ``auto`` when the run's memory estimate with a whole engine does not fit the accelerator) or 1 (``whole``, and
+    ``auto`` otherwise: always on a CPU)."""
+    choice = cfg.rollout.engine_parallel
+    if state.tp == 1 or choice == "whole" or cfg.sync.engine_placement != "in_process":
+        return 1
+    if choice in ("tp", "tp_cp"):
+        return state.tp
+    from megatron_omni.trainer.memory import device_memory, estimate
+
+    device_bytes = device_memory(state)
+    return estimate(cfg, state.world_size, state=state, device_bytes=device_bytes).engine_tp if device_bytes else 1
+
+
+def shares_base(cfg: RunConfig, state: ParallelState, engine_tp: int) -> bool:
+    """Whether the in-process engine reads the policy's own frozen base weights: LoRA syncs, one pipeline stage and
+    the engine at the policy's TP (its ``engine_tp``): the same tensors (CP replicates the weights), so no second
+    copy of the base, and only the adapters move."""
     return (cfg.sync.engine_placement == "in_process" and cfg.sync.resolved_mode(cfg.lora.rank) == "lora"
-            and state.tp == 1 and state.pp == 1 and state.cp == 1)
+            and state.pp == 1 and engine_tp == state.tp)
 
 
-def _engine_model(cfg: RunConfig, state: ParallelState, policy: Policy | None) -> torch.nn.Module:
-    """The in-process engine's denoiser (TP=1; adapters when syncs send them).  Sharing the policy's base, it is
-    built on the meta device and every base parameter and buffer is replaced by the policy's own; its adapters get
-    storage of their own, filled by the first sync."""
+def _engine_model(cfg: RunConfig, state: ParallelState, policy: Policy | None, tp: int,
+                  split_cp: bool) -> torch.nn.Module:
+    """The in-process engine's denoiser: every block, whole (``tp`` = 1: a group of one) or at this rank's shard of
+    the trainer's TP group; its image tokens split over the CP group with ``split_cp`` (the forward gathers them);
+    adapters when syncs send them.  Sharing the policy's base, it is built on the meta device and every base
+    parameter and buffer is replaced by the policy's own; its adapters get storage of their own, filled by the
+    first sync."""
     family, arch, dtype = cfg.model.family_impl, cfg.model.arch, cfg.model.torch_dtype
-    config = family.transformer_config(arch, 1, params_dtype=dtype, perform_initialization=False)
-    share = policy is not None and shares_base(cfg, state)
-    with torch.device("meta") if share else contextlib.nullcontext():  # whole on every rank: a group of one
-        model = family.build(arch, config, single_rank_group(state), cfg.model.backend)
+    config = family.transformer_config(arch, tp, params_dtype=dtype, perform_initialization=False)
+    share = policy is not None and shares_base(cfg, state, tp)
+    group = state.tp_group if tp > 1 else single_rank_group(state)
+    with torch.device("meta") if share else contextlib.nullcontext():
+        model = family.build(arch, config, group, cfg.model.backend, cp_groups=state.cp_groups if split_cp else None)
     if cfg.sync.resolved_mode(cfg.lora.rank) == "lora":  # adapters arrive at every sync
         _apply_lora(model, cfg)
     if not share:
@@ -202,11 +222,15 @@ def _engine_model(cfg: RunConfig, state: ParallelState, policy: Policy | None) -
 def _build_engine(cfg: RunConfig, state: ParallelState, task: Task, policy: Policy | None = None):
     """The rollout engine of the run: in this process, or engine process(es) driven by trainer rank 0."""
     if cfg.sync.engine_placement == "in_process":
-        model = _engine_model(cfg, state, policy)
+        tp, split_cp = engine_tp(cfg, state), cfg.rollout.engine_parallel == "tp_cp" and state.cp > 1
+        model = _engine_model(cfg, state, policy, tp, split_cp)
         if cfg.rollout.compile:
             compile_blocks(model, cfg.rollout.compile)
-        # the rollout section is the engine's config; the task draws initial noise as its pipeline does
-        return EmbeddedEngine(model, cfg.model.arch, task.encode, cfg.rollout, initial_noise=task.noise)
+        # the rollout section is the engine's config; the task draws initial noise as its pipeline does.  A sharded
+        # engine's ranks generate together: the requests are sharded over DP only, so its TP / CP ranks hold the same
+        groups = ([state.tp_group] if tp > 1 else []) + ([state.cp_group] if split_cp else [])
+        return EmbeddedEngine(model, cfg.model.arch, task.encode, cfg.rollout, initial_noise=task.noise,
+                              tp_rank=state.tp_rank if tp > 1 else 0, tp_size=tp, groups=groups)
     engines = None
     if state.rank == 0:
         s = cfg.sync
@@ -240,7 +264,8 @@ def _updater(cfg: RunConfig, policy: Policy, engine):
     updater = kind(policy.module, policy.state.tp_group, engine, s.resolved_mode(cfg.lora.rank), s.bucket_mb << 20,
                    s.checksum, pp_group=pp_group)
     updater.chunks = policy.modules or [policy.module]  # (interleaved PP: every virtual stage of this rank)
-    updater.engine_has_base = shares_base(cfg, policy.state)  # the same tensors: nothing to send
+    tp = getattr(engine, "tp_size", 1)  # (engine processes: TP=1)
+    updater.engine_has_base = shares_base(cfg, policy.state, tp)  # the same tensors: nothing to send
     return updater
 
 

@@ -12,8 +12,10 @@ Counted per device (bytes), for the trainer's TP x CP x PP x DP layout:
   ``train.recompute=full`` each chunk of ``recompute_num_layers`` blocks keeps only its input (``2·s·b·h``) plus
   one chunk's whole count while the backward recomputes it; ``selective`` (core attention) changes nothing here,
   since the flash-attention count has no s² term to save;
-* engine: the in-process rollout engine's whole-model copy (none when it reads the policy's frozen base: LoRA at
-  TP = PP = CP = 1) plus one block's transient at the rollout batch, ``12·s·b·h`` 16-bit values;
+* engine: the in-process rollout engine's copy of every block (none when it reads the policy's frozen base: LoRA
+  syncs at PP = 1 with the engine sharded as the policy), whole, or at the trainer's TP shard with
+  ``rollout.engine_parallel=tp`` / ``tp_cp`` (``auto``: sharded when the whole copy would not fit the device), plus
+  one block's transient at the rollout batch, ``12·s·b·h`` 16-bit values (whole: an upper bound when sharded);
 * trajectories: this replica's samples' latents of every step and, with true CFG reuse, the uncond outputs of
   the trained steps, float32; none on the device with ``rollout.trajectories_on=host``;
 * the text encoder + VAE of a pipeline task (their files' size, when ``model.path`` is a local folder); with
@@ -41,6 +43,7 @@ HEADROOM = 0.1  # of the device's memory left for fragmentation, workspaces and 
 class MemoryEstimate:
     parts: dict[str, float]  # name -> bytes per device
     layout: str
+    engine_tp: int = 1  # the in-process engine's TP degree counted (rollout.engine_parallel resolved)
 
     @property
     def total(self) -> float:
@@ -94,10 +97,25 @@ def _counts(cfg, state=None) -> tuple[int, int, int, int]:
 
 
 def estimate(cfg, world_size: int, image_tokens: int | None = None, text_tokens: int = 128,
-             state=None) -> MemoryEstimate:
+             state=None, device_bytes: float | None = None) -> MemoryEstimate:
     """The per-device estimate of ``cfg`` on ``world_size`` ranks (see the module docstring); ``image_tokens``:
     the rows' image tokens (default: the pipeline task's grid at data.height x data.width, 16 pixels a token);
-    ``state``: the run's ParallelState when torch.distributed is up."""
+    ``state``: the run's ParallelState when torch.distributed is up; ``device_bytes`` (default: the state's
+    accelerator's) resolves ``rollout.engine_parallel=auto``: the engine is counted TP-sharded when the whole one
+    does not fit it (whole on a CPU)."""
+    p, choice = cfg.parallel, cfg.rollout.engine_parallel
+    in_process = cfg.sync.engine_placement == "in_process"
+    sharded = in_process and p.tp > 1 and choice in ("tp", "tp_cp")
+    est = _estimate(cfg, world_size, image_tokens, text_tokens, state, p.tp if sharded else 1)
+    if device_bytes is None and state is not None:
+        device_bytes = device_memory(state)
+    if in_process and p.tp > 1 and choice == "auto" and device_bytes and est.total > device_bytes * (1 - HEADROOM):
+        est = _estimate(cfg, world_size, image_tokens, text_tokens, state, p.tp)
+    return est
+
+
+def _estimate(cfg, world_size: int, image_tokens: int | None, text_tokens: int, state,
+              engine_tp: int) -> MemoryEstimate:
     from megatron_omni.trainer.build import shares_base
 
     p, family, arch = cfg.parallel, cfg.model.family_impl, cfg.model.arch
@@ -116,7 +134,8 @@ def estimate(cfg, world_size: int, image_tokens: int | None = None, text_tokens:
     tokens = (image_tokens + text_tokens) / p.cp
     activations = _activations(cfg.train, family.num_blocks(arch) / p.pp, tokens * rows * hidden, p.tp)
     layout = type("Layout", (), {"tp": p.tp, "pp": p.pp, "cp": p.cp})()
-    engine = 0 if shares_base(cfg, layout) else (model_params + adapters) * dtype_bytes
+    engine_params = split / engine_tp + block_rest + outside + adapters / engine_tp  # every block, at its TP shard
+    engine = 0 if shares_base(cfg, layout, engine_tp) else engine_params * dtype_bytes
     engine += 12 * (image_tokens + text_tokens) * cfg.rollout.max_num_seqs * hidden * 2  # one block's transient
     samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size / dp
     window = cfg.rollout.window_size or cfg.rollout.num_steps
@@ -143,8 +162,9 @@ def estimate(cfg, world_size: int, image_tokens: int | None = None, text_tokens:
             f"{world_size} ranks, {family.name} {model_params / 1e9:.2f} B params"
             + (f" + LoRA r{cfg.lora.rank} {adapters / 1e6:.0f} M" if adapters else "") + f", {cfg.model.dtype}, "
             f"micro-batch {cfg.train.micro_batch_size}, {image_tokens} + {text_tokens} tokens"
-            + (f", recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else ""))
-    return MemoryEstimate(parts, what)
+            + (f", recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
+            + (f", engine TP{engine_tp}-sharded" if engine_tp > 1 else ""))
+    return MemoryEstimate(parts, what, engine_tp)
 
 
 def _activations(train, blocks: float, sbh: float, tp: int) -> float:
@@ -165,7 +185,7 @@ def check_fits(est: MemoryEstimate, device_bytes: float) -> None:
                          f"({largest} {est.parts[largest] / GIB:.1f} GiB the largest part) against "
                          f"{usable / GIB:.1f} GiB usable of {device_bytes / GIB:.1f} GiB; expected a layout that "
                          f"splits more (parallel.tp / cp / pp), a smaller train.micro_batch_size or "
-                         f"rollout.max_num_seqs, train.recompute=full, rollout.trajectories_on=host, "
+                         f"rollout.max_num_seqs, train.recompute=full, rollout.trajectories_on=host, rollout.engine_parallel=tp, "
                          f"data.offload_encoders=true, or LoRA\n{est.table(device_bytes)}")
 
 
