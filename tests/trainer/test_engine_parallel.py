@@ -3,8 +3,7 @@ megatron_omni.trainer.build): at TP2 each rank holds its TP shard of the engine 
 bytes), the TP pair generates the same requests together, and each sync copies the rank's own shards into it (no TP
 gather: ``HFExporter.tensors`` is never called); with LoRA it reads the policy's base tensors.  The loop then gives
 the whole-engine run's metrics: the rollout's GEMMs split their sums over the TP pair (CP: the image tokens over
-the CP pair), so float32 rounding differs, and a 2-step digits run agrees within rel 1e-4 / abs 1e-6 (as the
-layout tests of test_loop_layouts.py)."""
+the CP pair), so float32 rounding differs, and a 2-step digits run agrees within rel 1e-5 / abs 1e-7."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +14,7 @@ from megatron_omni.parallel.testing import run_distributed
 from tests.trainer.test_loop_layouts import TIMING, TINY
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]
-REL, ABS = 1e-4, 1e-6
+REL, ABS = 1e-5, 1e-7  # measured: <= 7e-7 relative (rewards, grad_norm), 3e-8 absolute (a loss of ~0)
 LORA = ["lora.rank=4", "lora.alpha=8", "train.lr=1e-3"]
 
 
@@ -48,8 +47,8 @@ def _runs(state, variants: dict[str, list[str]], out):
                                                             and torch.equal(engine[n], policy[n]) for n in policy)}
     HFExporter.tensors = real
     try:  # the TP pair given different requests: refused before any forward
-        check_same_requests([Request(prompt="a", seed=state.tp_rank)], [state.tp_group if state.tp > 1
-                                                                       else state.cp_group])
+        group = state.tp_group if state.tp > 1 else state.cp_group
+        check_same_requests([Request(prompt="a", seed=torch.distributed.get_rank(group))], [group])
         results["mismatch"] = ""
     except RuntimeError as e:
         results["mismatch"] = str(e)
