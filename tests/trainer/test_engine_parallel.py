@@ -27,7 +27,10 @@ def _runs(state, variants: dict[str, list[str]], out):
     from megatron_omni.rollout.engine import Request, check_same_requests
     from megatron_omni.sync.exporter import HFExporter
     from megatron_omni.trainer.loop import train
-    from model_specs.common.lora import base_tensors
+    from model_specs.common.lora import base_tensors, lora_modules
+
+    def adapters(model):
+        return {n: t for m in lora_modules(model).values() for n, t, _ in m.peft_tensors()}
 
     torch.set_num_threads(1)
     gathered, real = [0], HFExporter.tensors
@@ -44,7 +47,8 @@ def _runs(state, variants: dict[str, list[str]], out):
             "tp_size": run.engine.tp_size,
             "shared": all(engine[n] is policy[n] for n in policy),
             "equal": engine.keys() == policy.keys() and all(engine[n].shape == policy[n].shape
-                                                            and torch.equal(engine[n], policy[n]) for n in policy)}
+                                                            and torch.equal(engine[n], policy[n]) for n in policy),
+            "adapters_equal": _same(adapters(run.engine.model), adapters(run.policy.module))}
     HFExporter.tensors = real
     try:  # the TP pair given different requests: refused before any forward
         group = state.tp_group if state.tp > 1 else state.cp_group
@@ -53,6 +57,12 @@ def _runs(state, variants: dict[str, list[str]], out):
     except RuntimeError as e:
         results["mismatch"] = str(e)
     return results
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(a[n].shape == b[n].shape and torch.equal(a[n], b[n]) for n in a)
 
 
 def _close(got: list[dict], want: list[dict]) -> None:
@@ -84,6 +94,7 @@ def test_tp_sharded_engine_equals_the_whole_engine_at_tp2(tmp_path):
     assert r["tp"]["equal"] and not r["tp"]["shared"]
     # LoRA: the sharded engine reads the policy's own base tensors (only adapters move: nothing gathered)
     assert r["lora_tp"]["shared"] and r["lora_tp"]["gathered"] == 0 and not r["lora_whole"]["shared"]
+    assert r["lora_tp"]["adapters_equal"]  # this rank's adapter shards, as the policy holds them after the last step
     assert "were given different requests" in r["mismatch"]
 
 
@@ -91,13 +102,41 @@ def test_cp_split_engine_equals_the_whole_sequence_engine_at_cp2(tmp_path):
     """engine_parallel=tp_cp at CP2 (ring): each rollout forward's image tokens split over the CP pair, as training
     splits them, against every CP rank running the whole sequence."""
     base = TINY + ["parallel.cp=2"]
-    variants = {"whole": base + ["rollout.engine_parallel=whole"], "tp_cp": base + ["rollout.engine_parallel=tp_cp"]}
+    variants = {"whole": base + ["rollout.engine_parallel=whole"], "tp_cp": base + ["rollout.engine_parallel=tp_cp"],
+                "lora_tp_cp": base + LORA + ["rollout.engine_parallel=tp_cp"]}
     ranks = run_distributed(_runs, world_size=2, parallel={"cp": 2}, args=(variants, tmp_path), timeout_s=600)
     r = ranks[0]
     assert r["tp_cp"]["metrics"] == ranks[1]["tp_cp"]["metrics"]
     _close(r["tp_cp"]["metrics"], r["whole"]["metrics"])
     assert r["tp_cp"]["equal"] and r["tp_cp"]["gathered"] == 0  # TP=1 on both sides: the policy's tensors as held
+    # LoRA at CP2: the engine reads the policy's base (CP replicates the weights) and holds its adapters; its first
+    # rollout (B = 0: the base model) is the full fine-tune's
+    lora = r["lora_tp_cp"]
+    assert lora["shared"] and lora["adapters_equal"] and lora["metrics"][1]["grad_norm"] > 0
+    assert lora["metrics"][0]["reward_mean"] == pytest.approx(r["tp_cp"]["metrics"][0]["reward_mean"], rel=REL, abs=ABS)
     assert "were given different requests" in r["mismatch"]
+
+
+def test_shard_load_checks_every_tensor_before_copying(single_rank):
+    """``engine_side.load_shards``: the policy's own tensors go in as they are; an unknown name or a wrong shape is
+    refused with the engine unchanged."""
+    import torch
+
+    from megatron_omni.sync import HFExporter, engine_side
+    from model_specs.common.lora import base_tensors
+    from tests.sync.fast_sync_harness import make_engine
+
+    policy, engine = make_engine(single_rank.tp_group, seed=1).model, make_engine(single_rank.tp_group, seed=2)
+    pairs = list(HFExporter(policy, None, mode="full").shards())
+    assert engine_side.load_shards(engine, "full", pairs) == len(pairs)
+    assert _same(base_tensors(engine.model), base_tensors(policy))
+    before = {n: t.clone() for n, t in base_tensors(engine.model).items()}
+    (name, t), *rest = [(n, t + 1) for n, t in pairs]
+    with pytest.raises(ValueError, match=f"shard load \\(full\\): tensor '{name}' has shape \\(3,\\)"):
+        engine_side.load_shards(engine, "full", rest + [(name, torch.zeros(3))])
+    with pytest.raises(ValueError, match="tensor 'blocks.99.x' is not a parameter of the engine's model"):
+        engine_side.load_shards(engine, "full", rest + [("blocks.99.x", t)])
+    assert _same(base_tensors(engine.model), before)
 
 
 def test_bad_engine_parallel_is_one_clear_error():
