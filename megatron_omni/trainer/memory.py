@@ -185,8 +185,8 @@ def check_fits(est: MemoryEstimate, device_bytes: float) -> None:
                          f"({largest} {est.parts[largest] / GIB:.1f} GiB the largest part) against "
                          f"{usable / GIB:.1f} GiB usable of {device_bytes / GIB:.1f} GiB; expected a layout that "
                          f"splits more (parallel.tp / cp / pp), a smaller train.micro_batch_size or "
-                         f"rollout.max_num_seqs, train.recompute=full, rollout.trajectories_on=host, rollout.engine_parallel=tp, "
-                         f"data.offload_encoders=true, or LoRA\n{est.table(device_bytes)}")
+                         f"rollout.max_num_seqs, train.recompute=full, rollout.trajectories_on=host, "
+                         f"rollout.engine_parallel=tp, data.offload_encoders=true, or LoRA\n{est.table(device_bytes)}")
 
 
 def device_memory(state) -> float | None:
