@@ -20,7 +20,7 @@ import torch
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
 from megatron_omni.algorithms.flow_grpo.loss import kl_to_reference
 from megatron_omni.algorithms.flow_grpo.step import (FlowGRPOMicroBatch, flow_grpo_forward_step, guided_velocity,
-                                                     loss_func, step_log_prob, step_mean)
+                                                     loss_func, reference_mean, step_log_prob)
 
 # (log π_θ [B], log π_old [B], A [B], μ_θ [B, *X], μ_old [B, *X], step std [B], Δ [B], config) -> (L, metrics)
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -56,8 +56,8 @@ def old_mean_loss_func(policy_loss: PolicyLoss, mb: OldMeanMicroBatch, config, r
     policy, metrics = policy_loss(log_prob_B, mb.old_log_prob, mb.advantage, mean_BX, mb.old_mean, std_B, dt_B,
                                   config)
     loss, kl = policy, torch.zeros((), device=policy.device)
-    if ref_out is not None:
-        ref_mean_BX, _ = step_mean(guided_velocity(ref_out, mb), mb)
+    ref_mean_BX = reference_mean(mb, config, ref_out)  # the inline reference's, or the reference pass's
+    if ref_mean_BX is not None:
         kl = kl_to_reference(mean_BX, ref_mean_BX, std_B, dt_B, config.kl_form).mean()
         loss = policy + config.kl_beta * kl
     # clones: megatron scales the returned loss in place, the metrics must keep the unscaled values
@@ -94,6 +94,7 @@ class OldMeanAlgorithm(FlowGRPO):
 
     def forward_step(self, cfg, reference):
         return flow_grpo_forward_step(self.loss_config(cfg), reference=reference,
+                                      reference_pass=self.reference_pass(cfg),
                                       loss=partial(old_mean_loss_func, self.policy_loss))
 
     def train_microbatches(self, run, trajs, advantages, text) -> list[OldMeanMicroBatch]:

@@ -7,12 +7,14 @@ reads them instead of running the uncond rows (an exact saving); later optimizer
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import replace
 
 import torch
 
 from megatron_omni.algorithms.advantages import GroupAdvantages, group_advantages
 from megatron_omni.algorithms.base import Algorithm, RecordSpec
+from megatron_omni.algorithms.ema_policy import EMAPolicy
 from megatron_omni.algorithms.flow_grpo.loss import FlowGRPOLossConfig
 from megatron_omni.algorithms.flow_grpo.microbatches import grpo_microbatches, without_reused_uncond
 from megatron_omni.algorithms.flow_grpo.step import LOG_PROB, flow_grpo_forward_step
@@ -20,6 +22,7 @@ from megatron_omni.data.prompts import request_seed
 from megatron_omni.data.text_layout import padded_length
 from megatron_omni.rollout.engine import Request, Trajectory
 from megatron_omni.trainer.mfu import forward_flops, lora_forward_flops, varlen_step_flops
+from model_specs.common.lora import disable_adapters
 
 
 class FlowGRPO(Algorithm):
@@ -33,7 +36,40 @@ class FlowGRPO(Algorithm):
         self.loss_config(cfg)  # the loss config validates its own settings
 
     def needs_reference(self, cfg) -> bool:
-        return cfg.algorithm.kl_beta > 0  # the KL term's reference is the initial policy
+        """An inline reference forward (the KL term's reference is the initial policy): on a whole model only."""
+        return cfg.algorithm.kl_beta > 0 and not self.reference_pass(cfg)
+
+    def reference_pass(self, cfg) -> bool:
+        """Whether the KL's reference means come from a forward-only pass of their own before training
+        (``with_reference_means``) rather than an inline forward: under PP, where one pass of the schedule carries
+        one hidden state per micro-batch between stages, so a stage's reference chunk needs a pass of its own."""
+        return cfg.algorithm.kl_beta > 0 and cfg.parallel.pp > 1
+
+    def build_state(self, cfg, policy) -> EMAPolicy | None:
+        """With the reference pass and full fine-tuning, the reference's weights: the initial ones (an average never
+        updated), checkpointed; else none (LoRA's reference is the adapters off; the inline one, build's copy)."""
+        if self.reference_pass(cfg) and cfg.lora.rank == 0:
+            return EMAPolicy(policy.modules or [policy.module], decay=0.0)
+        return None
+
+    def reference_weights(self, run) -> ExitStack:
+        """Inside: the policy's modules (every chunk) compute the initial policy (LoRA adapters off, else the initial
+        weights swapped in)."""
+        stack = ExitStack()
+        if run.cfg.lora.rank > 0:
+            for module in run.policy.modules or [run.policy.module]:
+                stack.enter_context(disable_adapters(module))
+        else:
+            stack.enter_context(run.algorithm_state.swapped_in())
+        return stack
+
+    def with_reference_means(self, run, mbs: list) -> list:
+        """``mbs`` with the KL reference's step means μ_ref (``ref_mean``): one forward-only pass of the schedule
+        inside ``reference_weights``, so every stage runs the reference's chunk on the reference's own hidden state.
+        The reference runs its own uncond rows (a reused v_u is the rollout policy's, not the reference's)."""
+        with self.reference_weights(run):
+            out, _ = run.run_microbatches(without_reused_uncond(mbs), forward_only=True, collect_non_loss_data=True)
+        return [replace(mb, ref_mean=o["mean"]) for mb, o in zip(mbs, out)]
 
     def reuses_uncond(self, cfg) -> bool:
         """Whether the rollout keeps its uncond outputs for the trainer to reuse (true CFG and the switch on)."""
@@ -43,7 +79,8 @@ class FlowGRPO(Algorithm):
         return RecordSpec(uncond_outputs=self.reuses_uncond(cfg))
 
     def forward_step(self, cfg, reference):
-        return flow_grpo_forward_step(self.loss_config(cfg), reference=reference)
+        return flow_grpo_forward_step(self.loss_config(cfg), reference=reference,
+                                      reference_pass=self.reference_pass(cfg))
 
     def requests(self, run, step: int) -> list[Request]:
         """prompts_per_step prompts drawn for this step (seeded by it), each repeated group_size times, with the
@@ -117,6 +154,8 @@ class FlowGRPO(Algorithm):
         first runs with the rollout's weights: later ones recompute the uncond branch (a reused v_u there would be
         the old policy's and change the gradient)."""
         mbs = self.train_microbatches(run, trajs, advantages, text)
+        if self.reference_pass(run.cfg):
+            mbs = self.with_reference_means(run, mbs)
         per_opt_step = self.micro_batches_per_step(run)
         metrics, norms = [], []
         steps = self.optimizer_steps(mbs, per_opt_step)

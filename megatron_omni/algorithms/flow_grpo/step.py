@@ -41,7 +41,9 @@ last stage; its metrics and ``collect_non_loss_data`` outputs exist there only.
 
 The model needs what megatron's schedules look up on it: ``config``, ``model_type`` and
 ``set_input_tensor`` (directly, or on a ``.module`` it wraps).  Inline reference forwards (``reference``)
-are for PP = 1; under PP > 1 precompute the reference means in a forward-only pass.
+are for PP = 1; under PP > 1 the reference means are scored before training in a forward-only pass of the schedule
+with the reference's weights in place (every stage runs the reference's own chunk, fed by the reference's previous
+stage), and the micro-batches carry them (``ref_mean``, ``reference_pass``).
 """
 from __future__ import annotations
 
@@ -104,6 +106,10 @@ class FlowGRPOMicroBatch:
     # the trainer's recomputation while the weights are still the rollout's, for a rollout whose own log-probs are
     # not the trainer's (an FP8 rollout: FlowGRPO.trainer_old_policy); old_log_prob stays the rollout's, for the check
     old_from_forward: bool = False
+    # [B, I, C] float32 μ_ref of the KL's reference policy, scored before training by a forward-only pass of its own
+    # with the reference's weights in place (FlowGRPO.with_reference_means: under PP, where a stage cannot run the
+    # reference inline); None: the forward step runs the reference inline (``reference``), or there is no KL term
+    ref_mean: torch.Tensor | None = None
 
     def __post_init__(self):
         check_kind(self.sampler)
@@ -253,12 +259,21 @@ def loss_func(mb: FlowGRPOMicroBatch, config: FlowGRPOLossConfig, ref_out: torch
     mean_BIC, log_prob_B, std_B11 = step_log_prob(guided_velocity(output, mb), mb)
     if non_loss_data:
         return {LOG_PROB: log_prob_B.detach(), "mean": mean_BIC.detach()}
-    ref_mean_BIC = None
-    if ref_out is not None:
-        ref_mean_BIC, _ = step_mean(guided_velocity(ref_out, mb), mb)
     loss, metrics = flow_grpo_loss(log_prob_B, mb.old_log_prob, mb.advantage, config, mean_BX=mean_BIC,
-                                   ref_mean_BX=ref_mean_BIC, std_B=std_B11, dt_B=mb.t_next - mb.t)
+                                   ref_mean_BX=reference_mean(mb, config, ref_out), std_B=std_B11,
+                                   dt_B=mb.t_next - mb.t)
     return loss, {**metrics, LOG_PROB: log_prob_B.detach()}
+
+
+def reference_mean(mb: FlowGRPOMicroBatch, config, ref_out: torch.Tensor | None) -> torch.Tensor | None:
+    """μ_ref [B, I, C] of the KL term: the inline reference forward's (``ref_out``), else the micro-batch's
+    precomputed ``ref_mean``; None without either (ValueError when ``config.kl_beta > 0`` needs one)."""
+    if ref_out is not None:
+        return step_mean(guided_velocity(ref_out, mb), mb)[0]
+    if mb.ref_mean is None and config.kl_beta > 0:
+        raise ValueError(f"kl_beta={config.kl_beta} needs the reference policy's step means: an inline reference "
+                         f"(flow_grpo_forward_step(reference=...)) or micro-batches from FlowGRPO.with_reference_means")
+    return mb.ref_mean
 
 
 def _with_log_prob(loss: Callable, mb: FlowGRPOMicroBatch, config, ref_out, output: torch.Tensor,
@@ -280,27 +295,31 @@ def _with_log_prob(loss: Callable, mb: FlowGRPOMicroBatch, config, ref_out, outp
 
 
 def flow_grpo_forward_step(config: FlowGRPOLossConfig, reference: ReferenceFn | None = None, *,
-                           joint_uncond: bool = False, loss: Callable = loss_func):
+                           joint_uncond: bool = False, loss: Callable = loss_func, reference_pass: bool = False):
     """``forward_step_func(data_iterator, model)`` for megatron's ``forward_backward_func``; the iterator
-    yields ``FlowGRPOMicroBatch``es.  ``reference`` is required when ``config.kl_beta > 0``.  ``joint_uncond``:
+    yields ``FlowGRPOMicroBatch``es.  When ``config.kl_beta > 0`` either ``reference`` (an inline forward of the
+    reference on a whole model) or ``reference_pass``: the micro-batches carry ``ref_mean`` from a forward-only
+    pass of their own (FlowGRPO.with_reference_means; the form that runs under PP).  ``joint_uncond``:
     cond and uncond rows in one padded forward on a whole model too, as a pipeline stage runs them (see
     ``model_output``).  ``loss``: the megatron ``loss_func`` with ``loss_func``'s signature (another algorithm of
     the family swaps in its own loss on the same forward; ``config`` is handed to it); its metrics get
     ``LOG_PROB``, the micro-batch's detached log π_θ, where it does not return them itself."""
-    if config.kl_beta > 0 and reference is None:
+    if config.kl_beta > 0 and reference is None and not reference_pass:
         raise ValueError(f"kl_beta={config.kl_beta} needs a reference policy: pass reference= (e.g. "
-                         f"model_specs.common.lora.disable_adapters, or lambda m: contextlib.nullcontext(ref_model))")
+                         f"model_specs.common.lora.disable_adapters, or lambda m: contextlib.nullcontext(ref_model)), "
+                         f"or reference_pass=True with micro-batches from FlowGRPO.with_reference_means")
 
     def forward_step(data_iterator: Iterator[FlowGRPOMicroBatch], model: torch.nn.Module):
         mb = next(data_iterator)
         dtype = model.config.params_dtype
         output = model_output(model, mb, dtype, joint=joint_uncond)
         ref_out = None
-        if config.kl_beta > 0:
+        if config.kl_beta > 0 and reference is not None:
             if not _whole(model):
                 raise ValueError("kl_beta > 0 with an inline reference forward needs pipeline-parallel size 1 (a "
                                  "pipeline stage would feed the reference the policy's hidden state); under PP "
-                                 "precompute the reference means in a forward-only pass")
+                                 "pass reference_pass=True and score the reference means in a forward-only pass "
+                                 "(FlowGRPO.with_reference_means)")
             if mb.has_cfg and mb.uncond_txt is None:
                 raise ValueError("a KL reference with a reused uncond_velocity needs the micro-batch's uncond_txt, to "
                                  "run the reference's own uncond branch")
@@ -318,4 +337,4 @@ def _whole(model: torch.nn.Module) -> bool:
 
 
 __all__ = ["LOG_PROB", "FlowGRPOMicroBatch", "ReferenceFn", "flow_grpo_forward_step", "guided_velocity", "loss_func",
-           "model_extras", "model_inputs", "model_output", "step_log_prob", "step_mean"]
+           "model_extras", "model_inputs", "model_output", "reference_mean", "step_log_prob", "step_mean"]
