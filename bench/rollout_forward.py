@@ -5,7 +5,7 @@ Prints one table.
     python bench/rollout_forward.py [--family qwen_image | sd3] [--batches 1 8 16] [--layers N] [--repeats 5]
                                     [--compile default] [--no-eager] [--no-reference] [--profile]
                                     [--fusion fused unfused qkv-sum] [--lora 64] [--modulation table computed]
-                                    [--blocks-per-graph 1 2 4] [--smoke]
+                                    [--blocks-per-graph 1 2 4] [--fp8 none handoff plain] [--smoke]
 
 ``--family``: ``qwen_image`` (the default): Qwen-Image 20 B (60 blocks) against QwenImageTransformer2DModel, 128 text
 tokens, batches 1 8 16; ``sd3``: SD3.5-Medium (24 blocks, MMDiT-X) against SD3Transformer2DModel at the
@@ -21,6 +21,9 @@ the family computes once for a rollout's 10 sigmas (``ModelFamily.step_inputs``:
 time per batch printed apart, the modulation products then not counted in the forward's FLOPs; SD3 has none);
 ``computed``: rows at random sigmas.
 ``--blocks-per-graph``: under --compile, consecutive blocks per compiled graph (megatron_omni.compile).
+``--fp8``: ours with the FP8 rollout GEMMs (model_specs.common.fp8, as ``rollout.fp8=true`` runs them): ``handoff``
+as the engine runs them, ``plain`` with the MLPs unfused (fc2 quantizing its own input), ``none`` bf16 (the
+default); MFU stays against the bf16 peak.
 ``--smoke``: the family's tiny random config in float32 on the CPU (batch 2, a 4x4 token grid): the whole script
 runs without a GPU (tests/bench/test_rollout_forward_smoke.py); its times mean nothing.
 
@@ -101,7 +104,7 @@ def workload(family: str, layers: int | None, smoke: bool) -> Workload:
 
 
 def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True,
-         blocks_per_graph=None, top=12):
+         blocks_per_graph=None, top=12, fp8="none"):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
     family = get_family(w.family)
@@ -115,11 +118,20 @@ def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lor
         apply_lora(model, lora_rank, 2.0 * lora_rank, family.lora_targets, family.rules(w.arch))
         for m in lora_modules(model).values():
             torch.nn.init.normal_(m.lora_B, std=1e-3)  # nonzero, as after training
+    if fp8 != "none":  # the engine's order: FP8 linears first, then the fusions
+        from model_specs.common.fp8 import enable_fp8
+
+        print(f"FP8 linears: {enable_fp8(model)}", flush=True)
     if fused:
         from model_specs.common.fusion import fuse_inference
 
         # strict on a GPU, where every member must take its fused path; the CPU smoke run takes those that do
         count = fuse_inference(model, strict=w.device.type == "cuda")
+        if fp8 == "plain":  # the MLPs' FP8 path before the handoff: megatron's MLP, fc2 quantizing its own input
+            from model_specs.common.gelu_mlp import GeluMLP
+
+            for m in (m for m in model.modules() if isinstance(m, GeluMLP) and m.fused):
+                m.fused, count = False, count - 1
         print(f"fused modules: {count}", flush=True)
     if fused == "qkv-sum":  # the QKV's bias and LoRA output added by their own pass (the path before 2026-12-01)
         import model_specs.qwen_image.layers as layers
@@ -231,6 +243,10 @@ def main() -> None:
     p.add_argument("--blocks-per-graph", type=int, nargs="+", default=[None], metavar="K",
                    help="under --compile: consecutive blocks per compiled graph, one run per K (default: "
                         "megatron_omni.compile.BLOCKS_PER_GRAPH)")
+    p.add_argument("--fp8", nargs="+", choices=("none", "handoff", "plain"), default=["none"],
+                   help="ours with the rollout's FP8 GEMMs (rollout.fp8): handoff = as the engine runs them (fc1's "
+                        "output reaches fc2 quantized in one pass, fp8.gelu_quantize_rows), plain = the MLPs "
+                        "unfused (fc2 quantizes its own input); none = bf16")
     p.add_argument("--smoke", action="store_true", help="the family's tiny config in float32 on the CPU")
     args = p.parse_args()
     if "qkv-sum" in args.fusion and args.family != "qwen_image":
@@ -242,15 +258,17 @@ def main() -> None:
     results = {}
     lora = f" lora{args.lora}" if args.lora else ""
     for mode in ([None] if not args.no_eager else []) + args.compile:
-        for fusion, modulation, per_graph in [(f, m, k) for f in args.fusion for m in args.modulation
-                                              for k in (args.blocks_per_graph if mode else [None])]:
+        for fusion, modulation, per_graph, fp8 in [(f, m, k, q) for f in args.fusion for m in args.modulation
+                                                   for k in (args.blocks_per_graph if mode else [None])
+                                                   for q in args.fp8]:
             _release()
             graphs = "" if per_graph is None else f" {per_graph}/graph"
-            name = f"ours {mode or 'eager'}{lora}{graphs} {fusion}{' table' if modulation == 'table' else ''}"
+            quant = "" if fp8 == "none" else f" fp8-{fp8}"
+            name = f"ours {mode or 'eager'}{lora}{graphs}{quant} {fusion}{' table' if modulation == 'table' else ''}"
             print(f"--- {name}", flush=True)
             results[name] = ours(w, args.repeats, mode, args.profile,
                                  {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
-                                 modulation == "table", per_graph, args.top)
+                                 modulation == "table", per_graph, args.top, fp8)
     _release()
     if not args.no_reference:
         results["diffusers"] = reference(w, args.repeats)

@@ -22,7 +22,16 @@ process) the copy costs half the base's bf16 bytes.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path
+    triton = None
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -43,11 +52,92 @@ def fp8_matmul(x_MK: torch.Tensor, w_q_NK: torch.Tensor, w_scale_1N: torch.Tenso
     [1, N], the kernel's layout); x is quantized per row here.  ``fast_accum``: the kernel's fast accumulation
     (the GPU only; the emulation accumulates in float32)."""
     x_q, x_scale = quantize_rows(x_MK)
-    if x_MK.is_cuda:
-        return torch._scaled_mm(x_q, w_q_NK.t(), scale_a=x_scale, scale_b=w_scale_1N, out_dtype=x_MK.dtype,
+    return scaled_product(x_q, x_scale, w_q_NK, w_scale_1N, x_MK.dtype, fast_accum)
+
+
+def scaled_product(x_q_MK: torch.Tensor, x_scale_M1: torch.Tensor, w_q_NK: torch.Tensor, w_scale_1N: torch.Tensor,
+                   out_dtype: torch.dtype, fast_accum: bool = True) -> torch.Tensor:
+    """diag(s_x) (Q_x Q_w^T) diag(s_w) [M, N] in ``out_dtype`` from quantized operands: ``torch._scaled_mm`` on
+    CUDA, its math in float32 elsewhere (the same quantized operands, scaled after the product)."""
+    if x_q_MK.is_cuda:
+        return torch._scaled_mm(x_q_MK, w_q_NK.t(), scale_a=x_scale_M1, scale_b=w_scale_1N, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)
-    # the kernel's math in float32: the same quantized operands, scaled after the product
-    return ((x_q.float() @ w_q_NK.float().t()) * x_scale * w_scale_1N).to(x_MK.dtype)
+    return ((x_q_MK.float() @ w_q_NK.float().t()) * x_scale_M1 * w_scale_1N).to(out_dtype)
+
+
+def _gelu_quantize_reference(y_MN, bias_N, lora_MN):
+    """Torch ops: what the unfused MLP computes between fc1's product and fc2's quantization, each step rounded to
+    y's dtype as eager rounds it: h = (y + lora) + b, a = gelu_tanh(h), then ``quantize_rows(a)``."""
+    h = y_MN if lora_MN is None else y_MN + lora_MN
+    h = h if bias_N is None else h + bias_N
+    a = F.gelu(h, approximate="tanh")
+    return (a, *quantize_rows(a))
+
+
+if triton is not None:
+    @triton.jit
+    def _gelu_quantize_kernel(y, bias, lora, a_out, q_out, s_out, N, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+                              KEEP: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # one row, whole in registers: read once, written once
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        at = row * N + cols
+        x = tl.load(y + at, mask=m, other=0.0)
+        if HAS_LORA:
+            x = (x.to(tl.float32) + tl.load(lora + at, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        if HAS_BIAS:
+            x = (x.to(tl.float32) + tl.load(bias + cols, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)
+        inner = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)  # sqrt(2 / pi) (x + 0.044715 x^3)
+        g = (0.5 * xf * (2.0 * tl.sigmoid(2.0 * inner))).to(x.dtype)  # 1 + tanh(z) = 2 sigmoid(2 z)
+        if KEEP:
+            tl.store(a_out + at, g, mask=m)
+        gf = tl.where(m, g.to(tl.float32), 0.0)
+        scale = tl.maximum(tl.max(tl.abs(gf), axis=0) / 448.0, 1e-12)
+        v = tl.minimum(tl.maximum(gf / scale, -448.0), 448.0)
+        # round to e4m3's grid here, to nearest even (a step of 2^(e - 3) at exponent e, 2^-9 below the normals):
+        # the cast below is then exact, whatever conversion the backend runs (Triton's CPU interpreter truncates)
+        e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+        step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+        inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+        q = ((v * inv + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32's round-to-nearest-even to integers
+        tl.store(q_out + at, q.to(tl.float8e4nv), mask=m)
+        tl.store(s_out + row, scale)
+
+
+def _runs_gelu_kernel(y: torch.Tensor) -> bool:
+    """Triton on CUDA, or in Triton's CPU interpreter (TRITON_INTERPRET=1: how the CPU tests check its logic)."""
+    return triton is not None and (y.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@torch.library.custom_op("megatron_omni::gelu_quantize_rows", mutates_args=())
+def gelu_quantize_rows(y_MN: torch.Tensor, bias_N: torch.Tensor | None, lora_MN: torch.Tensor | None,
+                       keep_activation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fc1's FP8 output to fc2's FP8 input in one pass: (a [M, N] = gelu_tanh((y + lora) + b) in y's dtype, or an
+    empty tensor unless ``keep_activation`` (what fc2's LoRA adapter reads), Q [M, N] e4m3, s [M, 1] float32)
+    with a ≈ s Q per row, ``quantize_rows(a)``.  One Triton program per row reads y (and the LoRA output) once and
+    writes Q (and a) once; elsewhere the same math as torch ops."""
+    if not _runs_gelu_kernel(y_MN):
+        a, q, s = _gelu_quantize_reference(y_MN, bias_N, lora_MN)
+        return (a if keep_activation else a.new_empty(0)), q, s
+    m, n = y_MN.shape
+    y_MN = y_MN.contiguous()
+    lora = y_MN if lora_MN is None else lora_MN.contiguous()
+    a = torch.empty_like(y_MN) if keep_activation else y_MN.new_empty(0)
+    q = torch.empty(m, n, device=y_MN.device, dtype=E4M3)
+    s = torch.empty(m, 1, device=y_MN.device, dtype=torch.float32)
+    block = triton.next_power_of_2(n)
+    _gelu_quantize_kernel[(m,)](y_MN, y_MN if bias_N is None else bias_N, lora, a, q, s, n, HAS_BIAS=bias_N is not None,
+                                HAS_LORA=lora_MN is not None, KEEP=keep_activation, BLOCK=block,
+                                num_warps=max(4, min(16, block // 1024)))
+    return a, q, s
+
+
+@gelu_quantize_rows.register_fake
+def _(y_MN, bias_N, lora_MN, keep_activation):
+    m, n = y_MN.shape
+    a = torch.empty_like(y_MN) if keep_activation else y_MN.new_empty(0)
+    return a, y_MN.new_empty(m, n, dtype=E4M3), y_MN.new_empty(m, 1, dtype=torch.float32)
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -102,6 +192,12 @@ class FP8Linear:
             raise RuntimeError(f"{type(self).__name__}: FP8 is on but the weight was not quantized; call refresh_fp8()")
         x_MK = x.reshape(-1, x.shape[-1])
         return fp8_matmul(x_MK, self.fp8_weight, self.fp8_scale, self.fp8_fast_accum).view(*x.shape[:-1], -1)
+
+    def fp8_quantized_product(self, x_q_MK: torch.Tensor, x_scale_M1: torch.Tensor, out_dtype: torch.dtype):
+        """x W^T [M, N] from an input already quantized per row (``gelu_quantize_rows``): the kernel alone."""
+        if self.fp8_weight is None:
+            raise RuntimeError(f"{type(self).__name__}: FP8 is on but the weight was not quantized; call refresh_fp8()")
+        return scaled_product(x_q_MK, x_scale_M1, self.fp8_weight, self.fp8_scale, out_dtype, self.fp8_fast_accum)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         bias = kwargs.get("bias", args[0] if args else None)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
+from model_specs.common import fp8
 from model_specs.common.fp8 import uses_fp8
 from model_specs.common.fusion import local_column
 from model_specs.common.lora import COLUMN, LoRALinear
@@ -80,7 +81,7 @@ class GeluMLP(MLP):
             return (f"fc1 is a {type(base).__name__}; expected megatron-core's local column-parallel linear with a "
                     f"bias, without sequence parallelism or output gather")
         if uses_fp8(base):
-            return "fc1 runs its GEMM in FP8 (rollout.fp8): no bf16 epilogue to fuse GELU into"
+            return self._fp8_fusable()
         if isinstance(fc1, LoRALinear) and (fc1.kind != COLUMN or fc1.lora_A.shape[0] != 1):
             return f"fc1's LoRA adapter has {fc1.lora_A.shape[0]} parts ({fc1.kind}); expected one, column-parallel"
         return ""
@@ -89,7 +90,7 @@ class GeluMLP(MLP):
     def refresh_fused(self) -> None:
         """Rebuild ``[W | B]`` from the current weights (LoRA on fc1 only; nothing to do otherwise)."""
         fc1 = self.linear_fc1
-        if not self.fused or not isinstance(fc1, LoRALinear) or not fc1.enabled:
+        if not self.fused or not isinstance(fc1, LoRALinear) or not fc1.enabled or uses_fp8(fc1):
             self.fused_weight = None
             return
         w_NK, b_NR = fc1.base.weight, fc1.lora_B[0]
@@ -104,6 +105,10 @@ class GeluMLP(MLP):
             return super().forward(hidden_states, *args, **kwargs)
         fc1 = self.linear_fc1
         x_MK = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if uses_fp8(fc1):
+            if x_MK.shape[0] < fp8.MIN_ROWS:  # (a per-sample GEMM: the model dtype's path)
+                return super().forward(hidden_states)
+            return self._fp8_forward(x_MK, hidden_states.shape[:-1])
         if isinstance(fc1, LoRALinear) and fc1.enabled:
             if self.fused_weight is None:
                 raise RuntimeError("GeluMLP: fused with a LoRA adapter on fc1 but refresh_fused() was not called")
@@ -112,3 +117,36 @@ class GeluMLP(MLP):
             base = fc1.base if isinstance(fc1, LoRALinear) else fc1
             act = linear_gelu_tanh(x_MK, base.weight, base.bias)
         return self.linear_fc2(act.view(*hidden_states.shape[:-1], -1))
+
+    # ---- the FP8 rollout (model_specs.common.fp8) --------------------------------------------------------------
+    def _fp8_fusable(self) -> str:
+        """'' when fc1 and fc2 both run FP8 and fc2's product is this rank's whole output (TP = 1: no reduction
+        to run after it); else why not."""
+        fc2 = self.linear_fc2
+        base2 = fc2.base if isinstance(fc2, LoRALinear) else fc2
+        if not uses_fp8(base2):
+            return "fc1 runs its GEMM in FP8 (rollout.fp8) but fc2 does not: nothing to hand fc2 quantized"
+        if base2.sequence_parallel or not base2.input_is_parallel or base2.tp_group.size() != 1 \
+                or getattr(base2, "explicit_expert_comm", False):
+            return "fc2 reduces its output over TP (or scatters its input): its FP8 product is not the whole output"
+        return ""
+
+    def _fp8_forward(self, x_MK: torch.Tensor, lead: torch.Size):
+        """MLP.forward with FP8 GEMMs, fc1's output handed to fc2 quantized: fc1's FP8 product (+ its LoRA output),
+        then its bias, GELU-tanh and fc2's per-row quantization in one pass (``fp8.gelu_quantize_rows``: the
+        unfused path reads fc1's output twice for the row maxima, then writes the activation and its FP8 copy),
+        then fc2's FP8 kernel (+ its bias and LoRA output, as its forward adds them)."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        lora1 = isinstance(fc1, LoRALinear) and fc1.enabled
+        lora2 = isinstance(fc2, LoRALinear) and fc2.enabled
+        base1 = fc1.base if isinstance(fc1, LoRALinear) else fc1
+        base2 = fc2.base if isinstance(fc2, LoRALinear) else fc2
+        y_MN = base1.fp8_product(x_MK)
+        act, q_MN, s_M1 = fp8.gelu_quantize_rows(y_MN, base1.bias, fc1.low_rank(x_MK) if lora1 else None, lora2)
+        out = base2.fp8_quantized_product(q_MN, s_M1, x_MK.dtype)
+        bias = base2.bias if base2.skip_bias_add else None
+        if not base2.skip_bias_add and base2.bias is not None:
+            out = out + base2.bias
+        if lora2:
+            out = out + fc2.low_rank(act)
+        return out.view(*lead, -1), bias

@@ -36,3 +36,17 @@ def test_refuses_what_cannot_run():
     out = subprocess.run(run, cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--fusion qkv-sum patches Qwen-Image's attention; expected --family qwen_image, " \
                                    "got sd3" in out.stderr
+
+
+def test_smoke_fp8_variants():
+    """--fp8 handoff plain: the FP8 linears switched, the MLPs fused (handoff) or left to megatron's forward (plain:
+    Qwen-Image's 2 attentions stay fused); both rows in the table."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_forward.py"), "--family", "qwen_image",
+                          "--smoke", "--repeats", "1", "--fp8", "handoff", "plain", "--no-reference"],
+                         cwd=ROOT / "bench", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert re.findall(r"^fused modules: (\d+)$", text, re.M) == ["6", "2"], text[-2000:]
+    assert int(re.findall(r"^FP8 linears: (\d+)$", text, re.M)[0]) > 0
+    rows = {m.group(1).strip() for m in re.finditer(r"^(ours .+?)\s+2\s+([\d.]+)\s", text, re.M)}
+    assert rows == {"ours eager fp8-handoff fused table", "ours eager fp8-plain fused table"}, text[-2000:]

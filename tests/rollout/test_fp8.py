@@ -2,6 +2,10 @@
 emulated product against torch's own ``_scaled_mm`` (the kernel the GPU runs, with the same operand layout and
 scales), the switched linears of a Qwen-Image model (FP8 only without autograd, re-quantized when the weights
 change), and the engine sampling with it."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -100,15 +104,15 @@ def test_quantized_copies_follow_weight_changes(model):
             model(*_inputs())
 
 
-def test_engine_samples_with_fp8_gemms_and_gelu_epilogue_yields(model):
+def test_engine_samples_with_fp8_gemms_and_fused_mlps(model):
     reqs = [Request(prompt="a red cat", img_fhw=FHW, num_steps=4, guidance_scale=4.0, seed=3, window_size=2,
                     window_range=(0, 2), noise_level=1.0)]
     bf = EmbeddedEngine(model, ARCH, ToyEncoder()).generate(reqs)[0]
     engine = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(fp8=True))
     assert engine.fp8 > 0
     mlp = model.blocks[0].mlp if hasattr(model.blocks[0], "mlp") else None
-    if mlp is not None and hasattr(mlp, "fusable"):
-        assert "FP8" in mlp.fusable() and not mlp.fused
+    if mlp is not None and hasattr(mlp, "fusable"):  # fc1's FP8 output reaches fc2 quantized (one pass)
+        assert mlp.fusable() == "" and mlp.fused and mlp.fused_weight is None
     q = engine.generate(reqs)[0]
     assert not torch.equal(q.latents, bf.latents)
     rel = (q.latents - bf.latents).norm() / bf.latents.norm()
@@ -122,3 +126,80 @@ def test_engine_passes_the_accumulation_setting_to_every_switched_linear(model):
     off = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(fp8=True, fp8_fast_accum=False))
     switched = [m for _, m in fp8_linears(model) if m._fp8_on]
     assert off.fp8 == len(switched) > 0 and not any(m.fp8_fast_accum for m in switched)
+
+
+def _gelu_quantize_vs_reference(device: str, dtype: torch.dtype, n: int = 1000):
+    """The one-pass bias + GELU-tanh + per-row quantization against the unfused path's torch ops: the activation
+    to its dtype's rounding, the scales to float32's, the quantized values within one e4m3 step (a different
+    rounding of GELU or of the division can move a value across a rounding boundary)."""
+    g = torch.Generator().manual_seed(4)
+    y = (torch.randn(37, n, generator=g) * 2).to(device, dtype)
+    y[3] = 0.0  # an all-zero row after the bias below is removed for this row's check: scale floor
+    bias = torch.randn(n, generator=g).to(device, dtype)
+    lora = (torch.randn(37, n, generator=g) * 0.1).to(device, dtype)
+    for b, lo, keep in ((bias, lora, True), (None, None, False), (bias, None, True)):
+        a, q, s = fp8.gelu_quantize_rows(y, b, lo, keep)
+        ra, rq, rs = fp8._gelu_quantize_reference(y, b, lo)
+        assert q.dtype == fp8.E4M3 and s.shape == (37, 1) and s.dtype == torch.float32
+        if keep:
+            assert a.dtype == dtype and a.shape == y.shape
+            torch.testing.assert_close(a.float(), ra.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                                       atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+        else:
+            assert a.numel() == 0
+        torch.testing.assert_close(s, rs, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+        step = (rq.float().abs() * 2.0 ** -3).clamp_min(2.0 ** -9)  # one e4m3 step at each value
+        assert ((q.float() - rq.float()).abs() <= step + 1e-6).all()
+        assert (q.float() == rq.float()).float().mean() > 0.97  # most values round the same
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype):
+    _gelu_quantize_vs_reference("cuda", dtype, n=12288)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter only")
+def test_gelu_quantize_kernel_interpreted():
+    _gelu_quantize_vs_reference("cpu", torch.float32, n=200)
+
+
+def test_gelu_quantize_kernel_on_cpu():
+    """The kernel's logic (row blocks, masks, the bias / LoRA inputs, the kept activation) in Triton's CPU
+    interpreter; a subprocess, as Triton reads TRITON_INTERPRET when it decorates the kernel."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"{__file__}::test_gelu_quantize_kernel_interpreted"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fp8_mlp_hands_fc2_its_input_quantized(model, lora):
+    """With FP8 on, the MLP's fused path (fc1's FP8 product, then bias + GELU + fc2's quantization in one pass, then
+    fc2's kernel on the quantized input) computes what megatron's MLP forward computes with the same FP8 linears,
+    with and without LoRA adapters on fc1 and fc2; on the GPU the same pass is the Triton kernel."""
+    from model_specs.common.fusion import fuse_inference
+    from model_specs.common.gelu_mlp import GeluMLP
+    from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
+    from checkpoints_convert.qwen_image import qwen_image_rules
+
+    if lora:
+        apply_lora(model, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(ARCH), seed=0)
+        for m in (mod for mod in model.modules() if hasattr(mod, "lora_B")):
+            torch.nn.init.normal_(m.lora_B, std=0.02, generator=torch.Generator().manual_seed(2))
+    enable_fp8(model)
+    with torch.no_grad():
+        unfused = model(*_inputs())
+    assert fuse_inference(model) > 0
+    mlps = [m for m in model.modules() if isinstance(m, GeluMLP)]
+    assert mlps and all(m.fused and m.fusable() == "" and m.fused_weight is None for m in mlps)
+    calls = []
+    real = fp8.gelu_quantize_rows
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8, "gelu_quantize_rows", lambda *a: calls.append(a[2] is not None) or real(*a))
+        fused = model(*_inputs())
+    assert len(calls) == 2 * len(model.blocks) and all(c == lora for c in calls)  # image and text MLPs, each block
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-6)
