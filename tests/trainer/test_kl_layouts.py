@@ -3,7 +3,8 @@ run (test_loop_layouts' shrunk digits run, its helpers and float32 tolerances). 
 inline in each training forward; under PP it is a forward-only pass of the schedule before training with the
 reference's weights in place (FlowGRPO.with_reference_means): full fine-tuning swaps the initial weights in (the
 algorithm's checkpointed state), LoRA switches the adapters off on every chunk, and with true CFG the pass runs the
-reference's own uncond rows while the first optimizer step reuses the rollout's.  Step 0 trains at the initial weights
+reference's own uncond rows while the first optimizer step reuses the rollout's; GRPO-Guard's loss (old_policy.py)
+reads the same means.  Step 0 trains at the initial weights
 (KL 0); step 1's KL and its gradient are the reference's."""
 from __future__ import annotations
 
@@ -15,21 +16,30 @@ from tests.trainer.test_loop_layouts import TINY, _close, _train
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]  # slow: not rerun under avx2 (make test)
 
 KL = TINY + ["algorithm.kl_beta=0.5"]
-CASES = {"full": [], "lora_cfg": ["lora.rank=4", "lora.alpha=8", "train.lr=1e-3", "rollout.guidance_scale=3.0"]}
+CASES = {"full": [], "lora_cfg": ["lora.rank=4", "lora.alpha=8", "train.lr=1e-3", "rollout.guidance_scale=3.0"],
+         # the loss against the old policy's means (algorithms.old_policy): μ_old's pass, then μ_ref's
+         "grpo_guard": ["algorithm.name=grpo_guard"],
+         # interleaved: the reference pass's stage-boundary shape (its own uncond rows) is not the first optimizer
+         # step's (the rollout's reused); each pass gets its own (Run.boundary_shape)
+         "lora_cfg_vpp2": ["model.arch.num_layers=4", "lora.rank=4", "lora.alpha=8", "train.lr=1e-3",
+                           "rollout.guidance_scale=3.0"]}  # (4 blocks: one per virtual stage; the later setting wins)
+LAYOUTS = {"lora_cfg_vpp2": {"pp": 2, "vpp": 2}}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kl_at_pp2_equals_one_process(tmp_path, name):
+    """PP2 (PP2 x vpp2 for the interleaved case) on 2 gloo ranks: 2 RL steps equal the single process's."""
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
-    overrides = KL + CASES[name]
+    overrides, layout = KL + CASES[name], LAYOUTS.get(name, {"pp": 2})
     state = init_parallel(tp=1, seed=0, device="cpu")
     try:
         single = _train(state, overrides, tmp_path / "single")
     finally:
         destroy_parallel()
     assert single[0]["kl"] == 0 and single[1]["kl"] > 0 and single[1]["grad_norm"] > 0
-    ranks = run_distributed(_train, world_size=2, parallel={"pp": 2}, args=(overrides + ["parallel.pp=2"],
-                                                                             tmp_path / "pp2"), timeout_s=600)
+    ranks = run_distributed(_train, world_size=2, parallel=layout,
+                            args=(overrides + [f"parallel.{k}={v}" for k, v in layout.items()], tmp_path / "pp2"),
+                            timeout_s=600)
     assert ranks[0] == ranks[1]
     _close(ranks[0], single)
