@@ -43,3 +43,33 @@ def test_kl_at_pp2_equals_one_process(tmp_path, name):
                             timeout_s=600)
     assert ranks[0] == ranks[1]
     _close(ranks[0], single)
+
+
+def test_kl_checkpoint_at_one_process_resumes_at_pp2(tmp_path):
+    """Full fine-tuning with the KL, killed in one process after step 1 (checkpoint after step 0), resumed at PP2: the
+    reference pass's initial weights are the run's own (its seed), not the checkpoint's, so steps 1 and 2 equal the
+    uninterrupted single-process run's."""
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+    from tests.trainer.test_loop_layouts import _killed, _resumed
+
+    three = [o for o in KL if not o.startswith(("train.steps", "train.save_every"))] + ["train.steps=3",
+                                                                                        "train.save_every=1"]
+    state = init_parallel(tp=1, seed=0, device="cpu")
+    try:
+        whole = _train(state, three, tmp_path / "whole")
+        assert _killed(state, three, tmp_path / "run") == "0"
+    finally:
+        destroy_parallel()
+    ranks = run_distributed(_resumed, world_size=2, parallel={"pp": 2}, args=(three + ["parallel.pp=2"],
+                                                                               tmp_path / "run"), timeout_s=600)
+    assert ranks[0] == ranks[1] and [m["step"] for m in ranks[0]] == [1, 2] and whole[2]["kl"] > 0
+    _close_steps(ranks[0], whole[1:])
+
+
+def _close_steps(got: list[dict], want: list[dict]) -> None:
+    from tests.trainer.test_loop_layouts import ABS, REL
+
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)

@@ -25,6 +25,26 @@ from megatron_omni.trainer.mfu import forward_flops, lora_forward_flops, varlen_
 from model_specs.common.lora import disable_adapters
 
 
+class InitialWeights(EMAPolicy):
+    """The policy's trained parameters as built (an average never updated), swapped in for the KL's reference pass.
+    Not checkpointed: like the inline reference's frozen copy (``trainer.build.reference_policy``) they are taken
+    before a checkpoint is loaded, the run config's initial weights (its seed or ``model.path``), so a run resumes at
+    any layout, whichever form of the reference its checkpoint was written with."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        super().__init__(modules, decay=0.0)
+
+    def sharded_state_dict(self, model_sd: dict) -> dict:
+        """An entry the checkpoint does not store and a load gives back as it is (megatron's LocalNonpersistentObject):
+        nothing saved, and a checkpoint written without this state loads."""
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+        return {"initial_weights": LocalNonpersistentObject(None)}
+
+    def load(self, loaded: dict) -> None:
+        pass
+
+
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
 
@@ -45,11 +65,11 @@ class FlowGRPO(Algorithm):
         one hidden state per micro-batch between stages, so a stage's reference chunk needs a pass of its own."""
         return cfg.algorithm.kl_beta > 0 and cfg.parallel.pp > 1
 
-    def build_state(self, cfg, policy) -> EMAPolicy | None:
-        """With the reference pass and full fine-tuning, the reference's weights: the initial ones (an average never
-        updated), checkpointed; else none (LoRA's reference is the adapters off; the inline one, build's copy)."""
+    def build_state(self, cfg, policy) -> InitialWeights | None:
+        """With the reference pass and full fine-tuning, the reference's weights (``InitialWeights``); else none
+        (LoRA's reference is the adapters off; the inline one, build's frozen copy)."""
         if self.reference_pass(cfg) and cfg.lora.rank == 0:
-            return EMAPolicy(policy.modules or [policy.module], decay=0.0)
+            return InitialWeights(policy.modules or [policy.module])
         return None
 
     def reference_weights(self, run) -> ExitStack:
