@@ -22,7 +22,8 @@ def test_compiled_loop_with_recompute_equals_the_compiled_plain_run(single_rank,
     counters.clear()
     _, plain = _train(single_rank, COMPILED, tmp_path / "plain")
     assert plain[1]["grad_norm"] > 0
-    for i, extra in enumerate((["train.recompute=full", "train.recompute_num_layers=2"], ["train.recompute=selective"])):
+    recomputes = (["train.recompute=full", "train.recompute_num_layers=2"], ["train.recompute=selective"])
+    for i, extra in enumerate(recomputes):
         run, got = _train(single_rank, COMPILED + extra, tmp_path / f"run{i}")
         assert run.policy.module.block_runner.recompute_layers == (2 if i == 0 else None)  # the setting reached it
         _equal(got, plain, extra)
