@@ -12,6 +12,7 @@ from megatron_omni.config import load_config
 from megatron_omni.config.schema import ConfigError
 from megatron_omni.parallel.testing import run_distributed
 from tests.trainer.test_loop_layouts import TIMING, TINY
+from tests.trainer.test_loop_layouts import _close as close
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]
 REL, ABS = 1e-5, 1e-7  # measured: <= 7e-7 relative (rewards, grad_norm), 3e-8 absolute (a loss of ~0)
@@ -66,11 +67,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _close(got: list[dict], want: list[dict]) -> None:
-    assert [m["step"] for m in got] == [m["step"] for m in want] == [0, 1]
-    for a, b in zip(got, want):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
+    close(got, want, REL, ABS)
 
 
 def test_tp_sharded_engine_equals_the_whole_engine_at_tp2(tmp_path):

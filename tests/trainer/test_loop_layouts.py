@@ -51,12 +51,13 @@ def single(tmp_path_factory):
         destroy_parallel()
 
 
-def _close(got: list[dict], want: list[dict]) -> None:
+def _close(got: list[dict], want: list[dict], rel: float = REL, abs_: float = ABS) -> None:
+    """Two runs' metrics of steps 0 and 1: the same keys, every value within ``rel`` / ``abs_``."""
     assert [m["step"] for m in got] == [m["step"] for m in want] == [0, 1]
     for a, b in zip(got, want):
         assert a.keys() == b.keys()
         for key in a:
-            assert a[key] == pytest.approx(b[key], rel=REL, abs=ABS), (a["step"], key)
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=abs_), (a["step"], key)
 
 
 LAYOUTS = {"dp2": {"tp": 1}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2_ulysses": {"cp": 2, "ulysses": 2},

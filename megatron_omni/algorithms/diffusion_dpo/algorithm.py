@@ -12,7 +12,6 @@ micro-batches make one optimizer step.  Settings: algorithm.diffusion_dpo.beta.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import ExitStack
 from dataclasses import dataclass
 
 from megatron_omni.algorithms.base import RecordSpec
@@ -21,7 +20,6 @@ from megatron_omni.algorithms.diffusion_dpo.step import dpo_forward_step, dpo_mi
 from megatron_omni.algorithms.ema_policy import EMAPolicy
 from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
 from megatron_omni.rollout.engine import Trajectory
-from model_specs.common.lora import disable_adapters
 
 
 @dataclass
@@ -63,16 +61,6 @@ class DiffusionDPO(FlowGRPO):
     def build_state(self, cfg, policy) -> EMAPolicy | None:
         """Full fine-tune: the initial weights (an average never updated), checkpointed; LoRA: none (adapters off)."""
         return EMAPolicy(policy.modules or [policy.module], decay=0.0) if cfg.lora.rank == 0 else None
-
-    def reference_weights(self, run) -> ExitStack:
-        """Inside: the policy's modules compute the initial policy (LoRA adapters off, else the initial weights)."""
-        stack = ExitStack()
-        if run.cfg.lora.rank > 0:
-            for module in run.policy.modules or [run.policy.module]:
-                stack.enter_context(disable_adapters(module))
-        else:
-            stack.enter_context(run.algorithm_state.swapped_in())
-        return stack
 
     def reuses_uncond(self, cfg) -> bool:
         return False  # the loss runs the conditional velocity only
