@@ -5,7 +5,10 @@ a few of the schedule's timesteps, against the old policy (docs/algorithms.md, D
 The old policy (``old_policy``) is the rollout's weights ("copy", refreshed every RL step) or an EMA of the weights
 ("ema": megatron_omni.algorithms.ema_policy, ``Run.algorithm_state``, updated after each RL step and checkpointed);
 its velocities come from one forward-only pass before the step's first update (the EMA swapped in for it), so they
-stay fixed through every optimizer step of the RL step.  The rollout samples with the ODE whatever
+stay fixed through every optimizer step of the RL step.  The reference term (ref_weight > 0; the reference is the
+initial policy) runs inline in each training forward at PP = 1; under PP its velocities come from a forward-only pass
+of their own with the reference's weights on every chunk (``reference_weights``: LoRA's adapters off, full
+fine-tune's initial weights swapped in), after the old policy's.  The rollout samples with the ODE whatever
 rollout.sampler / noise_level / window say (those are the SDE algorithms'), so the step's reward_mean is already the
 ODE policy's reward.  Settings: algorithm.diffusion_nft.{beta,
 timesteps_per_sample, ref_weight, old_policy, ema_decay}; algorithm.adv_std / adv_clip_max (A_max) as FlowGRPO's.
@@ -13,15 +16,35 @@ timesteps_per_sample, ref_weight, old_policy, ema_decay}; algorithm.adv_std / ad
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 
 from megatron_omni.algorithms.base import RecordSpec
 from megatron_omni.algorithms.clean_samples import ode_requests, rows_flops, text_length, train_steps
 from megatron_omni.algorithms.diffusion_nft.loss import NFTLossConfig
-from megatron_omni.algorithms.diffusion_nft.step import nft_forward_step, nft_microbatches, with_old_velocity
+from megatron_omni.algorithms.diffusion_nft.step import (nft_forward_step, nft_microbatches, with_old_velocity,
+                                                         with_reference_velocity)
 from megatron_omni.algorithms.ema_policy import EMAPolicy
-from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
+from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO, InitialWeights
 from megatron_omni.rollout.engine import Trajectory
+
+
+@dataclass
+class NFTState:
+    """DiffusionNFT's state between RL steps (``Run.algorithm_state``): the EMA old policy (``old_policy: ema``) and
+    the reference pass's initial weights (full fine-tune, ref_weight > 0, PP > 1), either None.  Checkpointed as
+    their entries side by side: the EMA's ShardedTensors, and the initial weights' none (``InitialWeights``)."""
+    ema: EMAPolicy | None = None
+    initial: InitialWeights | None = None
+
+    def sharded_state_dict(self, model_sd: dict) -> dict:
+        return {k: v for part in (self.ema, self.initial) if part is not None
+                for k, v in part.sharded_state_dict(model_sd).items()}
+
+    def load(self, loaded: dict) -> None:
+        for part in (self.ema, self.initial):
+            if part is not None:
+                part.load(loaded)
 
 
 class DiffusionNFT(FlowGRPO):
@@ -39,16 +62,31 @@ class DiffusionNFT(FlowGRPO):
                              f"1..rollout.num_steps={cfg.rollout.num_steps}")
         if not 0 <= n.ema_decay < 1:
             raise ValueError(f"diffusion_nft.ema_decay: {n.ema_decay} is outside [0, 1) (0: the last update's weights)")
-        if n.ref_weight > 0 and cfg.parallel.pp > 1:
-            raise ValueError(f"diffusion_nft.ref_weight: the reference term's inline forward needs parallel.pp=1, "
-                             f"got {cfg.parallel.pp}")
 
     def needs_reference(self, cfg) -> bool:
-        return cfg.algorithm.diffusion_nft.ref_weight > 0
+        """An inline reference forward: the reference term on a whole model (PP = 1)."""
+        return cfg.algorithm.diffusion_nft.ref_weight > 0 and not self.reference_pass(cfg)
 
-    def build_state(self, cfg, policy) -> EMAPolicy | None:
-        n = cfg.algorithm.diffusion_nft
-        return EMAPolicy(policy.modules or [policy.module], n.ema_decay) if n.old_policy == "ema" else None
+    def reference_pass(self, cfg) -> bool:
+        """Whether v_ref comes from a forward-only pass of its own (``with_reference_velocity``): the reference term
+        under PP, where a stage cannot run the reference's chunk inline on the policy's hidden state."""
+        return cfg.algorithm.diffusion_nft.ref_weight > 0 and cfg.parallel.pp > 1
+
+    def build_state(self, cfg, policy) -> NFTState | None:
+        """The EMA old policy (``old_policy: ema``) and, for the reference pass under full fine-tuning, the initial
+        weights; None when neither."""
+        n, modules = cfg.algorithm.diffusion_nft, policy.modules or [policy.module]
+        state = NFTState(ema=EMAPolicy(modules, n.ema_decay) if n.old_policy == "ema" else None,
+                         initial=InitialWeights(modules) if self.reference_pass(cfg) and cfg.lora.rank == 0 else None)
+        return state if state.ema is not None or state.initial is not None else None
+
+    def reference_weights(self, run) -> ExitStack:
+        """Inside: every chunk computes the initial policy (LoRA adapters off, else the initial weights swapped in)."""
+        if run.cfg.lora.rank > 0:
+            return super().reference_weights(run)
+        stack = ExitStack()
+        stack.enter_context(run.algorithm_state.initial.swapped_in())
+        return stack
 
     def reuses_uncond(self, cfg) -> bool:
         return False
@@ -57,7 +95,7 @@ class DiffusionNFT(FlowGRPO):
         return RecordSpec(step_latents=False, log_probs=False)
 
     def forward_step(self, cfg, reference):
-        return nft_forward_step(self.loss_config(cfg), reference)
+        return nft_forward_step(self.loss_config(cfg), reference, reference_pass=self.reference_pass(cfg))
 
     def requests(self, run, step: int) -> list:
         return ode_requests(super().requests(run, step))
@@ -69,9 +107,13 @@ class DiffusionNFT(FlowGRPO):
         cfg = run.cfg
         mbs = nft_microbatches(trajs, advantages.advantages, text, cfg.algorithm.diffusion_nft.timesteps_per_sample,
                                cfg.train.micro_batch_size, cfg.rollout.text_pad_multiple)
-        ema = run.algorithm_state  # None: the old policy is the rollout's weights, the policy's own now
+        state = run.algorithm_state
+        ema = state.ema if state is not None else None  # None: the old policy is the rollout's weights, the policy's
         with ema.swapped_in() if ema is not None else nullcontext():
             mbs = with_old_velocity(run, mbs)
+        if self.reference_pass(cfg):
+            with self.reference_weights(run):
+                mbs = with_reference_velocity(run, mbs)
         summary = train_steps(run, mbs)
         if ema is not None:
             ema.update()
@@ -79,12 +121,13 @@ class DiffusionNFT(FlowGRPO):
 
     def flops(self, run, trajs: list[Trajectory], text) -> float:
         """The ODE rollout, the old policy's forward over every training row, the rows' forward + backward and,
-        with ref_weight, the reference's forwards (in both passes)."""
+        with ref_weight, the reference's forwards (inline: in both passes; under PP: its own pass, once)."""
         k = run.cfg.algorithm.diffusion_nft.timesteps_per_sample
         rows = Counter()
         for t in trajs:
             rows[text_length(text, t.request.prompt, run.cfg.rollout.text_pad_multiple)] += k
-        reference = Counter({n: 2 * c for n, c in rows.items()}) if self.needs_reference(run.cfg) else None
+        passes = 2 if self.needs_reference(run.cfg) else int(self.reference_pass(run.cfg))
+        reference = Counter({n: passes * c for n, c in rows.items()}) if passes else None
         return rows_flops(run, trajs, text, train_rows=rows, forward_rows=rows, reference_rows=reference)
 
 

@@ -4,6 +4,10 @@ Legend: B rows, I image tokens, C packed channels, T text tokens, E text width. 
 ``timesteps`` rows: its clean x0 (the rollout's final sample) noised at t drawn from the rollout's schedule
 (sigmas[0..N−1]) with ε, both from its request seed (draw ``NOISE_DRAW``).  The old policy's velocity on every row
 comes from a forward-only pass before the step's first update (``with_old_velocity``), i.e. the rollout's policy.
+The reference term's v_ref is an inline forward of the reference in each training forward on a whole model (PP = 1);
+under PP it comes from a forward-only pass of its own with the reference's weights in place
+(``with_reference_velocity``): one pass of the schedule carries one hidden state per micro-batch between stages, so
+a stage's reference chunk must be fed by the reference's previous stage, not the policy's.
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ class NFTMicroBatch:
     txt_mask: torch.Tensor | None  # [B, T]
     img_fhw: tuple[int, int, int]
     old_velocity: torch.Tensor | None = None  # [B, I, C] float32 v_old; None before with_old_velocity
+    # [B, I, C] float32 v_ref from the reference's own forward-only pass (with_reference_velocity, under PP); None: the
+    # forward step runs the reference inline, or there is no reference term
+    ref_velocity: torch.Tensor | None = None
     # {denoiser keyword: [B, ...]} the rows' text extras (model_specs.family: SD3's pooled text); None: none
     txt_extras: dict[str, torch.Tensor] | None = None
 
@@ -68,27 +75,45 @@ def nft_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text, 
 
 def with_old_velocity(run, mbs: list[NFTMicroBatch]) -> list[NFTMicroBatch]:
     """``mbs`` with v_old from one forward-only pass of the run's forward step (on the last pipeline stage)."""
+    return _with_velocity(run, mbs, "old_velocity")
+
+
+def with_reference_velocity(run, mbs: list[NFTMicroBatch]) -> list[NFTMicroBatch]:
+    """``mbs`` with v_ref (``ref_velocity``) from one forward-only pass of the run's forward step; the caller puts the
+    reference's weights in place on every chunk around it (DiffusionNFT.reference_weights)."""
+    return _with_velocity(run, mbs, "ref_velocity")
+
+
+def _with_velocity(run, mbs: list[NFTMicroBatch], field: str) -> list[NFTMicroBatch]:
     out, _ = run.run_microbatches(mbs, forward_only=True, collect_non_loss_data=True)
     if not out:
         return mbs
-    return [replace(mb, old_velocity=o["velocity"]) for mb, o in zip(mbs, out)]
+    return [replace(mb, **{field: o["velocity"]}) for mb, o in zip(mbs, out)]
 
 
 def loss_func(mb: NFTMicroBatch, config: NFTLossConfig, ref_out: torch.Tensor | None, output: torch.Tensor,
               non_loss_data: bool = False):
-    """megatron ``loss_func``: (L, metrics); with ``non_loss_data`` the detached velocity (the old policy's pass)."""
+    """megatron ``loss_func``: (L, metrics); with ``non_loss_data`` the detached velocity (the old policy's or the
+    reference's pass).  v_ref: the inline reference forward's (``ref_out``), else the micro-batch's ``ref_velocity``."""
     if non_loss_data:
         return {"velocity": output.detach().float()}
     if mb.old_velocity is None:
         raise ValueError("the DiffusionNFT loss needs the old policy's velocity: build the micro-batches with "
                          "with_old_velocity")
-    return diffusion_nft_loss(output, mb.old_velocity, mb.x_t, mb.x0, mb.t, mb.advantage, config, ref_out)
+    ref_v = ref_out if ref_out is not None else mb.ref_velocity
+    if config.ref_weight > 0 and ref_v is None:
+        raise ValueError(f"ref_weight={config.ref_weight} needs the reference's velocity: an inline reference "
+                         f"(nft_forward_step(reference=...)) or micro-batches from with_reference_velocity")
+    return diffusion_nft_loss(output, mb.old_velocity, mb.x_t, mb.x0, mb.t, mb.advantage, config, ref_v)
 
 
-def nft_forward_step(config: NFTLossConfig, reference: ReferenceFn | None = None):
-    """``forward_step_func(data_iterator, model)`` over ``NFTMicroBatch``es; ``reference`` when ref_weight > 0."""
-    if config.ref_weight > 0 and reference is None:
-        raise ValueError(f"ref_weight={config.ref_weight} needs a reference policy: pass reference=")
+def nft_forward_step(config: NFTLossConfig, reference: ReferenceFn | None = None, *, reference_pass: bool = False):
+    """``forward_step_func(data_iterator, model)`` over ``NFTMicroBatch``es.  When ref_weight > 0 either ``reference``
+    (an inline forward of the reference, on a whole model) or ``reference_pass``: the micro-batches carry
+    ``ref_velocity`` from a forward-only pass of their own (``with_reference_velocity``: the form for PP)."""
+    if config.ref_weight > 0 and reference is None and not reference_pass:
+        raise ValueError(f"ref_weight={config.ref_weight} needs a reference policy: pass reference=, or "
+                         f"reference_pass=True with micro-batches from with_reference_velocity")
 
     def forward_step(data_iterator: Iterator[NFTMicroBatch], model: torch.nn.Module):
         mb = next(data_iterator)
@@ -97,7 +122,7 @@ def nft_forward_step(config: NFTLossConfig, reference: ReferenceFn | None = None
         extras = {k: v.to(dtype) for k, v in (mb.txt_extras or {}).items()}
         output = model(*inputs, **extras)
         ref_out = None
-        if config.ref_weight > 0:
+        if config.ref_weight > 0 and reference is not None:
             with torch.no_grad(), reference(model) as ref_model:
                 ref_out = ref_model(*inputs, **extras)
         return output, partial(loss_func, mb, config, ref_out)
