@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_omni.parallel.testing import run_distributed
-from tests.trainer.test_loop_layouts import TINY, _close, _train
+from tests.trainer.test_loop_layouts import TINY
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]  # slow: not rerun under avx2 (make test)
 
@@ -22,39 +21,19 @@ CASES = {"full_ema": ["algorithm.diffusion_nft.old_policy=ema", "algorithm.diffu
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_nft_reference_at_pp2_equals_one_process(tmp_path, name):
-    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+    from tests.trainer.test_kl_layouts import layout_equals_one_process
 
-    overrides = NFT + CASES[name]
-    state = init_parallel(tp=1, seed=0, device="cpu")
-    try:
-        single = _train(state, overrides, tmp_path / "single")
-    finally:
-        destroy_parallel()
+    single = layout_equals_one_process(NFT + CASES[name], tmp_path, {"pp": 2})
     assert single[0]["ref_loss"] == 0 and single[1]["ref_loss"] > 0 and single[1]["grad_norm"] > 0
     assert all(m["optimizer_steps"] == 1 for m in single)
-    ranks = run_distributed(_train, world_size=2, parallel={"pp": 2}, args=(overrides + ["parallel.pp=2"],
-                                                                           tmp_path / "pp2"), timeout_s=600)
-    assert ranks[0] == ranks[1]
-    _close(ranks[0], single)
 
 
 def test_nft_checkpoint_at_one_process_resumes_at_pp2(tmp_path):
     """Full fine-tuning with the reference term and the EMA old policy, killed in one process after step 1 (checkpoint
     after step 0: the EMA's entries, no initial weights), resumed at PP2 (NFTState: the EMA loaded, the reference pass's
     initial weights the run's own, its seed): steps 1 and 2 equal the uninterrupted single-process run's."""
-    from megatron_omni.parallel.state import destroy_parallel, init_parallel
-    from tests.trainer.test_kl_layouts import _close_steps
-    from tests.trainer.test_loop_layouts import _killed, _resumed
+    from tests.trainer.test_kl_layouts import _close_steps, resumed_at_pp2
 
-    three = [o for o in NFT + CASES["full_ema"] if not o.startswith(("train.steps", "train.save_every"))] + [
-        "train.steps=3", "train.save_every=1"]
-    state = init_parallel(tp=1, seed=0, device="cpu")
-    try:
-        whole = _train(state, three, tmp_path / "whole")
-        assert _killed(state, three, tmp_path / "run") == "0"
-    finally:
-        destroy_parallel()
-    ranks = run_distributed(_resumed, world_size=2, parallel={"pp": 2}, args=(three + ["parallel.pp=2"],
-                                                                               tmp_path / "run"), timeout_s=600)
-    assert ranks[0] == ranks[1] and [m["step"] for m in ranks[0]] == [1, 2] and whole[2]["ref_loss"] > 0
-    _close_steps(ranks[0], whole[1:])
+    whole, resumed = resumed_at_pp2(NFT + CASES["full_ema"], tmp_path)
+    assert whole[2]["ref_loss"] > 0
+    _close_steps(resumed, whole[1:])

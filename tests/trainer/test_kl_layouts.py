@@ -29,31 +29,45 @@ LAYOUTS = {"lora_cfg_vpp2": {"pp": 2, "vpp": 2}}
 @pytest.mark.parametrize("name", list(CASES))
 def test_kl_at_pp2_equals_one_process(tmp_path, name):
     """PP2 (PP2 x vpp2 for the interleaved case) on 2 gloo ranks: 2 RL steps equal the single process's."""
+    single = layout_equals_one_process(KL + CASES[name], tmp_path, LAYOUTS.get(name, {"pp": 2}))
+    assert single[0]["kl"] == 0 and single[1]["kl"] > 0 and single[1]["grad_norm"] > 0
+
+
+def layout_equals_one_process(overrides: list[str], tmp_path, layout: dict) -> list[dict]:
+    """2 RL steps of ``overrides`` in one process and at ``layout`` on 2 gloo ranks: the ranks agree and equal the
+    single process (test_loop_layouts' tolerances); the single process's metrics."""
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
-    overrides, layout = KL + CASES[name], LAYOUTS.get(name, {"pp": 2})
     state = init_parallel(tp=1, seed=0, device="cpu")
     try:
         single = _train(state, overrides, tmp_path / "single")
     finally:
         destroy_parallel()
-    assert single[0]["kl"] == 0 and single[1]["kl"] > 0 and single[1]["grad_norm"] > 0
     ranks = run_distributed(_train, world_size=2, parallel=layout,
-                            args=(overrides + [f"parallel.{k}={v}" for k, v in layout.items()], tmp_path / "pp2"),
+                            args=(overrides + [f"parallel.{k}={v}" for k, v in layout.items()], tmp_path / "layout"),
                             timeout_s=600)
     assert ranks[0] == ranks[1]
     _close(ranks[0], single)
+    return single
 
 
 def test_kl_checkpoint_at_one_process_resumes_at_pp2(tmp_path):
     """Full fine-tuning with the KL, killed in one process after step 1 (checkpoint after step 0), resumed at PP2: the
     reference pass's initial weights are the run's own (its seed), not the checkpoint's, so steps 1 and 2 equal the
     uninterrupted single-process run's."""
+    whole, resumed = resumed_at_pp2(KL, tmp_path)
+    assert whole[2]["kl"] > 0
+    _close_steps(resumed, whole[1:])
+
+
+def resumed_at_pp2(overrides: list[str], tmp_path) -> tuple[list[dict], list[dict]]:
+    """``overrides`` as a 3-step run: uninterrupted in one process, and killed after step 0's checkpoint in one
+    process then resumed at PP2 on 2 gloo ranks; (the uninterrupted run's metrics, the resumed run's steps 1-2)."""
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from tests.trainer.test_loop_layouts import _killed, _resumed
 
-    three = [o for o in KL if not o.startswith(("train.steps", "train.save_every"))] + ["train.steps=3",
-                                                                                        "train.save_every=1"]
+    three = [o for o in overrides if not o.startswith(("train.steps", "train.save_every"))] + [
+        "train.steps=3", "train.save_every=1"]
     state = init_parallel(tp=1, seed=0, device="cpu")
     try:
         whole = _train(state, three, tmp_path / "whole")
@@ -62,8 +76,8 @@ def test_kl_checkpoint_at_one_process_resumes_at_pp2(tmp_path):
         destroy_parallel()
     ranks = run_distributed(_resumed, world_size=2, parallel={"pp": 2}, args=(three + ["parallel.pp=2"],
                                                                                tmp_path / "run"), timeout_s=600)
-    assert ranks[0] == ranks[1] and [m["step"] for m in ranks[0]] == [1, 2] and whole[2]["kl"] > 0
-    _close_steps(ranks[0], whole[1:])
+    assert ranks[0] == ranks[1] and [m["step"] for m in ranks[0]] == [1, 2]
+    return whole, ranks[0]
 
 
 def _close_steps(got: list[dict], want: list[dict]) -> None:
