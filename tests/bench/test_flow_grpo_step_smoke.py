@@ -38,6 +38,7 @@ def test_smoke_prints_the_table():
     assert line and float(line.group(1)) < 1e-6, text[-3000:]
 
 
+@pytest.mark.slow  # multi-rank: not rerun under avx2 (as tests/trainer/test_loop_layouts.py)
 def test_smoke_under_torchrun_at_pp2_prints_one_table():
     """The bench drives the loop at a layout: 2 ranks (torchrun, gloo on the CPU), PP = 2; one table (rank 0)."""
     from megatron_omni.parallel.state import free_port

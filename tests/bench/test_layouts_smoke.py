@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.numerics  # the loop's log-prob check at each layout
+pytestmark = [pytest.mark.numerics, pytest.mark.slow]  # the loop's log-prob check at each layout (slow: multi-rank,
+# not rerun under avx2, as tests/trainer/test_loop_layouts.py)
 
 
 def test_smoke_at_two_ranks_prints_one_row_per_layout():

@@ -9,7 +9,8 @@ import pytest
 
 from tests.trainer.test_memory_settings import _equal, _train
 
-pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.numerics, pytest.mark.slow,  # slow: not rerun under avx2 (test_memory_settings is, eager)
+              pytest.mark.usefixtures("one_torch_thread")]
 
 COMPILED = ["train.compile=default"]
 
