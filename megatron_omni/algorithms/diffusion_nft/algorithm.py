@@ -16,7 +16,7 @@ timesteps_per_sample, ref_weight, old_policy, ema_decay}; algorithm.adv_std / ad
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from megatron_omni.algorithms.base import RecordSpec
@@ -80,13 +80,9 @@ class DiffusionNFT(FlowGRPO):
                          initial=InitialWeights(modules) if self.reference_pass(cfg) and cfg.lora.rank == 0 else None)
         return state if state.ema is not None or state.initial is not None else None
 
-    def reference_weights(self, run) -> ExitStack:
-        """Inside: every chunk computes the initial policy (LoRA adapters off, else the initial weights swapped in)."""
-        if run.cfg.lora.rank > 0:
-            return super().reference_weights(run)
-        stack = ExitStack()
-        stack.enter_context(run.algorithm_state.initial.swapped_in())
-        return stack
+    def initial_weights(self, run) -> InitialWeights:
+        """The reference pass's initial weights under full fine-tuning (beside the EMA in the run's NFTState)."""
+        return run.algorithm_state.initial
 
     def reuses_uncond(self, cfg) -> bool:
         return False

@@ -80,8 +80,12 @@ class FlowGRPO(Algorithm):
             for module in run.policy.modules or [run.policy.module]:
                 stack.enter_context(disable_adapters(module))
         else:
-            stack.enter_context(run.algorithm_state.swapped_in())
+            stack.enter_context(self.initial_weights(run).swapped_in())
         return stack
+
+    def initial_weights(self, run) -> EMAPolicy:
+        """Under full fine-tuning, the run's state holding the reference's weights (``build_state``'s)."""
+        return run.algorithm_state
 
     def with_reference_means(self, run, mbs: list) -> list:
         """``mbs`` with the KL reference's step means μ_ref (``ref_mean``): one forward-only pass of the schedule
