@@ -313,7 +313,8 @@ def print_table(cfg, results: list[LoopResult], steps: int, notes: list[str], sm
     size = "tiny smoke folder" if smoke else f"Qwen-Image {cfg.model.arch.num_layers} blocks ({cfg.model.dtype})"
     table = Table(title=f"FlowGRPO step of {RECIPE}, {size}, {device}: {n} images ({r.prompts_per_step} prompt(s) x "
                         f"group {r.group_size}), {cfg.data.height}x{cfg.data.width}, {r.num_steps} steps, true CFG "
-                        f"{r.guidance_scale:g}, window {r.window_size}, LoRA r{cfg.lora.rank}, micro-batch "
+                        f"{r.guidance_scale:g}, window {r.window_size}, LoRA r{cfg.lora.rank} "
+                        f"(rollout.lora_weights={r.lora_weights}), micro-batch "
                         f"{cfg.train.micro_batch_size}, rollout GEMMs {'FP8' if r.fp8 else cfg.model.dtype}; median of "
                         f"{steps} steps")
     for col in ("loop", "phase", "s / step", "TFLOP / step", "TFLOP/s", "MFU", "images/s"):

@@ -5,7 +5,8 @@ Prints one table.
     python bench/rollout_forward.py [--family qwen_image | sd3] [--batches 1 8 16] [--layers N] [--repeats 5]
                                     [--compile default] [--no-eager] [--no-reference] [--profile]
                                     [--fusion fused unfused qkv-sum] [--lora 64] [--modulation table computed]
-                                    [--blocks-per-graph 1 2 4] [--fp8 none handoff plain] [--smoke]
+                                    [--blocks-per-graph 1 2 4] [--fp8 none handoff plain]
+                                    [--lora-weights separate merged] [--smoke]
 
 ``--family``: ``qwen_image`` (the default): Qwen-Image 20 B (60 blocks) against QwenImageTransformer2DModel, 128 text
 tokens, batches 1 8 16; ``sd3``: SD3.5-Medium (24 blocks, MMDiT-X) against SD3Transformer2DModel at the
@@ -24,6 +25,10 @@ time per batch printed apart, the modulation products then not counted in the fo
 ``--fp8``: ours with the FP8 rollout GEMMs (model_specs.common.fp8, as ``rollout.fp8=true`` runs them): ``handoff``
 as the engine runs them, ``plain`` with the MLPs unfused (fc2 quantizing its own input), ``none`` bf16 (the
 default); MFU stays against the bf16 peak.
+``--lora-weights`` (with ``--lora``): ``separate`` (the default) the base's and the adapters' products apart, as the
+trainer computes them; ``merged`` the adapters merged into the rollout's weights (``rollout.lora_weights=merged``,
+model_specs.common.rollout_linear), with the time to rebuild the merged copies after a weight change printed (what
+each RL step's first rollout batch pays).
 ``--smoke``: the family's tiny random config in float32 on the CPU (batch 2, a 4x4 token grid): the whole script
 runs without a GPU (tests/bench/test_rollout_forward_smoke.py); its times mean nothing.
 
@@ -104,7 +109,7 @@ def workload(family: str, layers: int | None, smoke: bool) -> Workload:
 
 
 def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True,
-         blocks_per_graph=None, top=12, fp8="none"):
+         blocks_per_graph=None, top=12, fp8="none", lora_weights="separate"):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
     family = get_family(w.family)
@@ -119,9 +124,14 @@ def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lor
         for m in lora_modules(model).values():
             torch.nn.init.normal_(m.lora_B, std=1e-3)  # nonzero, as after training
     if fp8 != "none":  # the engine's order: FP8 linears first, then the fusions
-        from model_specs.common.fp8 import enable_fp8
+        from model_specs.common.rollout_linear import enable_fp8
 
         print(f"FP8 linears: {enable_fp8(model)}", flush=True)
+    if lora_rank and lora_weights == "merged":  # (before the fusions, as the engine does)
+        from model_specs.common.rollout_linear import merge_adapters
+
+        print(f"merged adapters: {merge_adapters(model)}", flush=True)
+        _time_merge(model, w.device, repeats)
     if fused:
         from model_specs.common.fusion import fuse_inference
 
@@ -175,6 +185,21 @@ def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lor
     if fused == "qkv-sum":
         layers.column_parts = column_parts
     return out
+
+
+def _time_merge(model, device, repeats) -> None:
+    """The rebuild of every merged copy after the adapters changed (as after each sync), median ms."""
+    from model_specs.common.lora import lora_modules
+    from model_specs.common.rollout_linear import refresh_rollout_weights
+
+    adapters = [m.lora_B for m in lora_modules(model).values()]
+
+    def rebuild():
+        with torch.no_grad():
+            torch._foreach_mul_(adapters, 1.0)  # (in place: the version counters move, as a sync's copy moves them)
+        refresh_rollout_weights(model)
+
+    print(f"merged copies rebuilt after a weight change: {median_ms(rebuild, repeats):.1f} ms", flush=True)
 
 
 def reference(w: Workload, repeats):
@@ -247,8 +272,13 @@ def main() -> None:
                    help="ours with the rollout's FP8 GEMMs (rollout.fp8): handoff = as the engine runs them (fc1's "
                         "output reaches fc2 quantized in one pass, fp8.gelu_quantize_rows), plain = the MLPs "
                         "unfused (fc2 quantizes its own input); none = bf16")
+    p.add_argument("--lora-weights", nargs="+", choices=("separate", "merged"), default=["separate"],
+                   help="with --lora: the adapters apart (the trainer's ops) and / or merged into the rollout's "
+                        "weights (rollout.lora_weights=merged)")
     p.add_argument("--smoke", action="store_true", help="the family's tiny config in float32 on the CPU")
     args = p.parse_args()
+    if "merged" in args.lora_weights and not args.lora:
+        p.error("--lora-weights merged merges LoRA adapters; expected --lora R too")
     if "qkv-sum" in args.fusion and args.family != "qwen_image":
         p.error(f"--fusion qkv-sum patches Qwen-Image's attention; expected --family qwen_image, got {args.family}")
     if not args.smoke and not torch.cuda.is_available():
@@ -258,17 +288,19 @@ def main() -> None:
     results = {}
     lora = f" lora{args.lora}" if args.lora else ""
     for mode in ([None] if not args.no_eager else []) + args.compile:
-        for fusion, modulation, per_graph, fp8 in [(f, m, k, q) for f in args.fusion for m in args.modulation
-                                                   for k in (args.blocks_per_graph if mode else [None])
-                                                   for q in args.fp8]:
+        for fusion, modulation, per_graph, fp8, merge in [
+                (f, m, k, q, lw) for f in args.fusion for m in args.modulation
+                for k in (args.blocks_per_graph if mode else [None]) for q in args.fp8 for lw in args.lora_weights]:
             _release()
             graphs = "" if per_graph is None else f" {per_graph}/graph"
             quant = "" if fp8 == "none" else f" fp8-{fp8}"
-            name = f"ours {mode or 'eager'}{lora}{graphs}{quant} {fusion}{' table' if modulation == 'table' else ''}"
+            merged = " merged" if merge == "merged" else ""
+            name = (f"ours {mode or 'eager'}{lora}{merged}{graphs}{quant} {fusion}"
+                    f"{' table' if modulation == 'table' else ''}")
             print(f"--- {name}", flush=True)
             results[name] = ours(w, args.repeats, mode, args.profile,
                                  {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
-                                 modulation == "table", per_graph, args.top, fp8)
+                                 modulation == "table", per_graph, args.top, fp8, merge)
     _release()
     if not args.no_reference:
         results["diffusers"] = reference(w, args.repeats)

@@ -369,7 +369,8 @@ class AlgorithmConfig:
     reuse_rollout_uncond: bool = True
     # where pi_old comes from: "rollout" (the log-probs the rollout sampled with), "trainer" (the trainer's own at the
     # rollout's weights: the first optimizer step reads its forward's, so its ratio is exactly 1; a later optimizer
-    # step's are scored by one forward-only pass before any update); "auto": trainer with rollout.fp8, else rollout.
+    # step's are scored by one forward-only pass before any update); "auto": trainer with rollout.fp8 or LoRA merged
+    # into the rollout's weights (rollout.lora_weights resolved to merged), else rollout.
     # (bf16 rollout and trainer differ by ~1e-5 in log p, a large DiT's whole clip range: bench/RESULTS.md)
     old_log_prob: Literal["auto", "rollout", "trainer"] = "auto"
     mix_grpo: MixGRPOConfig = field(default_factory=MixGRPOConfig)
@@ -481,6 +482,12 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+
+    @property
+    def rollout_merges_lora(self) -> bool:
+        """Whether the rollout's weights hold the LoRA adapters (``rollout.lora_weights`` resolved to merged by the
+        trainer, adapters synced): its products then differ from the trainer's by rounding, and skip the adapters'."""
+        return self.rollout.lora_weights == "merged" and self.sync.resolved_mode(self.lora.rank) == "lora"
 
     @property
     def lora_targets(self) -> list[str]:

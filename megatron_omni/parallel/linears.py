@@ -9,26 +9,26 @@ element-wise work on either side of each break stays unfused.  The row-parallel 
 (no sequence parallelism, no input-gradient all-reduce: the output all-reduce happens after it), so passing
 the layer's own group changes nothing but that.
 
-Both also take the FP8 rollout path (``model_specs.common.fp8.FP8Linear``: their matmul in float8 e4m3 once the
-rollout engine switches it on, without autograd only).
+Both also carry the rollout engine's weight copies (``model_specs.common.rollout_linear.RolloutLinear``: a LoRA
+adapter merged in, float8 e4m3 products; without autograd only, once the engine switches them on).
 """
 from __future__ import annotations
 
 from megatron.core.tensor_parallel import ColumnParallelLinear as _MegatronColumnParallelLinear
 from megatron.core.tensor_parallel import RowParallelLinear as _MegatronRowParallelLinear
 
-from model_specs.common.fp8 import FP8Linear
+from model_specs.common.rollout_linear import RolloutLinear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
-class ColumnParallelLinear(FP8Linear, _MegatronColumnParallelLinear):
-    """megatron-core's ``ColumnParallelLinear`` with the FP8 rollout path."""
+class ColumnParallelLinear(RolloutLinear, _MegatronColumnParallelLinear):
+    """megatron-core's ``ColumnParallelLinear`` with the rollout's weight copies."""
 
 
-class RowParallelLinear(FP8Linear, _MegatronRowParallelLinear):
+class RowParallelLinear(RolloutLinear, _MegatronRowParallelLinear):
     """megatron-core's ``RowParallelLinear`` that passes its TP group down (see the module docstring), with the
-    FP8 rollout path."""
+    rollout's weight copies."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         kwargs["tp_group"] = self.tp_group

@@ -3,6 +3,7 @@ the loop hands that section to the engine as it is (``megatron_omni.config.schem
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -26,6 +27,13 @@ class EngineConfig:
     # use_fast_accum; Transformer Engine's choice for forward GEMMs), false = promoted (split) accumulation, slower
     # and closer to float32; the CPU emulation accumulates in float32 either way
     fp8_fast_accum: bool = True
+    # a LoRA engine's adapters: merged = each adapted linear's rollout weight is W + s·B·A (rebuilt at each weight
+    # change; one GEMM instead of the base's and the adapter's skinny two: model_specs.common.rollout_linear;
+    # without FP8 a model-dtype copy of the adapted weights while the rollout runs), whose rounding differs from the
+    # trainer's, which then recomputes pi_old itself as with fp8; separate = the base and the adapter apart, the
+    # trainer's op sequence; auto = merged on an accelerator (the trainer resolves it: merged when the memory
+    # estimate with the copies fits the device), separate on a CPU
+    lora_weights: Literal["auto", "merged", "separate"] = "auto"
 
     def check_engine(self) -> None:
         """Raise ValueError naming the engine setting that cannot work."""
@@ -33,5 +41,11 @@ class EngineConfig:
                                     ("text_pad_multiple", self.text_pad_multiple, 1)):
             if not isinstance(value, int) or value < lowest:
                 raise ValueError(f"{name}: expected an integer >= {lowest}, got {value!r}")
+        if self.lora_weights not in ("auto", "merged", "separate"):
+            raise ValueError(f"lora_weights: expected 'auto', 'merged' or 'separate', got {self.lora_weights!r}")
         if not self.wait_ms >= 0:
             raise ValueError(f"wait_ms: expected >= 0 milliseconds, got {self.wait_ms!r}")
+
+    def merges_lora(self, device: str) -> bool:
+        """``lora_weights`` resolved for an engine on ``device`` (its type: "cpu", "cuda", "npu")."""
+        return self.lora_weights == "merged" or (self.lora_weights == "auto" and device != "cpu")

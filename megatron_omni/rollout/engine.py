@@ -29,7 +29,10 @@ from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.config import EngineConfig
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
-from model_specs.common.fp8 import check_fp8_device, drop_fp8, enable_fp8, refresh_fp8
+from model_specs.common.fp8 import check_fp8_device
+from model_specs.common.rollout_linear import (
+    drop_rollout_weights, enable_fp8, merge_adapters, refresh_rollout_weights,
+)
 from model_specs.common.fusion import fuse_inference, refresh_fused
 from model_specs.common.lora import base_tensors
 from model_specs.family import ModelFamily, TextExtras, family_of, split_encoding, stack_extras
@@ -110,6 +113,8 @@ class RolloutEngine(Protocol):
     def generate(self, requests: Sequence[Request]) -> list[Trajectory]: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def park(self) -> None: ...
 
     def sleep(self) -> None: ...
 
@@ -249,8 +254,9 @@ class EmbeddedEngine:
         self._device, self._dtype = first.device, first.dtype
         if self.config.fp8:
             check_fp8_device(self._device)
-        # (before the fusions: an epilogue yields to FP8)
+        # (before the fusions: an epilogue yields to FP8, and to a merged adapter)
         self.fp8 = enable_fp8(model, fast_accum=self.config.fp8_fast_accum) if self.config.fp8 else 0
+        self.merged = merge_adapters(model) if self.config.merges_lora(self._device.type) else 0
         self.fused = fuse_inference(model) if self.config.fuse else 0
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.groups = [g for g in groups if g is not None and g.size() > 1]  # ranks that run each forward together
@@ -391,8 +397,8 @@ class EmbeddedEngine:
             if self._incomplete:
                 raise RuntimeError(f"the engine's weights are incomplete: {self._incomplete}; it generates again "
                                    f"after a weight load of the whole model succeeds")
-            if self.fp8:
-                refresh_fp8(self.model)  # re-quantizes only weights that changed since the last batch
+            if self.fp8 or self.merged:
+                refresh_rollout_weights(self.model)  # rebuilds only the copies whose weights changed
             if self.fused:
                 refresh_fused(self.model)  # the weights may have changed since the last batch
             sigmas_N1 = sigmas(r0.num_steps, r0.shift) if r0.sigmas is None else \
@@ -512,6 +518,13 @@ class EmbeddedEngine:
             if complete:
                 self._incomplete = None
 
+    def park(self) -> None:
+        """Free what the engine rebuilds from the next weights anyway (the merged adapters' weight copies) while the
+        trainer runs; the next batch rebuilds it."""
+        with self._run_lock:
+            if self.merged:
+                drop_rollout_weights(self.model, merged_only=True)
+
     def sleep(self) -> None:
         """Offload the weights to host memory and free the accelerator's cached memory (for the trainer's
         phase).  On CPU there is nothing to free: a no-op, and generate() keeps working."""
@@ -519,7 +532,7 @@ class EmbeddedEngine:
             if self._device.type == "cpu" or self._asleep:
                 return
             self.model.to("cpu")
-            drop_fp8(self.model)  # (re-quantized at the next batch)
+            drop_rollout_weights(self.model)  # (rebuilt at the next batch)
             getattr(torch, self._device.type).empty_cache()
             self._asleep = True
 

@@ -380,6 +380,9 @@ class Rank0Engine:
     def generate(self, requests: Sequence) -> list:
         return self._from_rank0(self.engines.generate(requests) if self.engines is not None else None)
 
+    def park(self) -> None:
+        """Nothing to free here: the engine processes' memory is not the trainer's."""
+
     def sync(self, exporter: HFExporter, bucket_bytes: int = 1 << 30, checksum: bool = False) -> dict:
         """Rank 0 sends; the other ranks run their exporters (gathers over TP).  A ``SyncError`` on rank 0
         is raised on every rank."""

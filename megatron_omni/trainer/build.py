@@ -179,6 +179,26 @@ def engine_tp(cfg: RunConfig, state: ParallelState) -> int:
     return estimate(cfg, state.world_size, state=state, device_bytes=device_bytes).engine_tp if device_bytes else 1
 
 
+def lora_weights(cfg: RunConfig, state: ParallelState) -> str:
+    """``rollout.lora_weights`` resolved for this run: ``auto`` is merged when the in-process engine holds adapters
+    (LoRA syncs) on an accelerator, with FP8 (its quantized copy holds them at no cost) or where the memory
+    estimate with the merged copies fits the device; else separate (always on a CPU, and for engine processes,
+    which hold their copies throughout)."""
+    choice = cfg.rollout.lora_weights
+    if choice != "auto":
+        return choice
+    if (state.torch_device.type == "cpu" or cfg.sync.engine_placement != "in_process"
+            or cfg.sync.resolved_mode(cfg.lora.rank) != "lora"):
+        return "separate"
+    from megatron_omni.trainer.memory import device_memory, estimate
+
+    device_bytes = device_memory(state)
+    if cfg.rollout.fp8 or not device_bytes:
+        return "merged"
+    return "merged" if estimate(cfg, state.world_size, state=state, device_bytes=device_bytes).lora_merged \
+        else "separate"
+
+
 def shares_base(cfg: RunConfig, state: ParallelState, engine_tp: int) -> bool:
     """Whether the in-process engine reads the policy's own frozen base weights: LoRA syncs, one pipeline stage and
     the engine at the policy's TP (its ``engine_tp``): the same tensors (CP replicates the weights), so no second
@@ -332,6 +352,8 @@ def build_run(cfg: RunConfig, state: ParallelState, task: Task, run_dir: Path, r
     start = 0
     if resume and checkpointer.latest_step() is not None:
         start = checkpointer.load(policy.models, policy.optimizer, algorithm_state=algorithm_state)["step"] + 1
+    # resolved once: the engines (this process's or engine processes') and the algorithm's pi_old read it
+    cfg.rollout.lora_weights = lora_weights(cfg, state)
     engine = _build_engine(cfg, state, task, policy)
     fns = {"reward": build_reward(cfg.reward.name, **cfg.reward.options)}
     if cfg.reward.judge:

@@ -57,6 +57,7 @@ def rl_step(run: Run, step: int) -> dict[str, Any]:
         advantages = step_advantages(algo, run, requests, bounds, step_scores["reward"])
     with clock("train"):
         run.task.park()  # its text encoder and VAE to host memory until the next rollout (data.offload_encoders)
+        run.engine.park()  # the merged adapters' weight copies, rebuilt from the next sync's (rollout.lora_weights)
         trained = algo.train(run, trajs, advantages, text)  # (reports the check when its forward was the check's)
     trained, check = mean_over_dp(trained, state), mean_over_dp(check, state)
     warn_on_logprob_gap(run.cfg, step, {**check, **trained})

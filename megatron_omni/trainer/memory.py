@@ -18,6 +18,9 @@ Counted per device (bytes), for the trainer's TP x CP x PP x DP layout:
   one block's transient at the rollout batch, ``12·s·b·h`` 16-bit values (whole: an upper bound when sharded);
 * trajectories: this replica's samples' latents of every step and, with true CFG reuse, the uncond outputs of
   the trained steps, float32; none on the device with ``rollout.trajectories_on=host``;
+* merged LoRA weights: with ``rollout.lora_weights=merged`` (without FP8) a model-dtype copy of the engine's adapted
+  linears' weights, held in the rollout only (freed while the trainer runs), so only what exceeds the training
+  activations left over by the offloaded encoders counts; ``auto`` merges when the estimate with them fits the device;
 * the text encoder + VAE of a pipeline task (their files' size, when ``model.path`` is a local folder); with
   ``data.offload_encoders`` they are on the device in the rollout only, where the training activations are not, so
   only what exceeds the activations counts.
@@ -44,6 +47,7 @@ class MemoryEstimate:
     parts: dict[str, float]  # name -> bytes per device
     layout: str
     engine_tp: int = 1  # the in-process engine's TP degree counted (rollout.engine_parallel resolved)
+    lora_merged: bool = False  # the engine's adapters counted merged (rollout.lora_weights resolved)
 
     @property
     def total(self) -> float:
@@ -60,9 +64,10 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def _counts(cfg, state=None) -> tuple[int, int, int, int]:
-    """(parameters of the blocks' TP-split linears, of the blocks otherwise, outside the blocks, LoRA adapters) of
-    the denoiser at TP=1, counted on the meta device (under a single-process group when none is up)."""
+def _counts(cfg, state=None) -> tuple[int, int, int, int, int]:
+    """(parameters of the blocks' TP-split linears, of the blocks otherwise, outside the blocks, LoRA adapters, the
+    adapted linears' base weights) of the denoiser at TP=1, counted on the meta device (under a single-process
+    group when none is up)."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -90,7 +95,9 @@ def _counts(cfg, state=None) -> tuple[int, int, int, int]:
                  for leaf, _ in m.named_parameters(recurse=False)}
         count = lambda names: sum(named[n].numel() for n in names)  # noqa: E731
         base = set(named) - adapters
-        return (count(base & split), count((base & blocks) - split), count(base - blocks), count(adapters))
+        adapted = {n.removesuffix("lora_A") + "base.weight" for n in adapters if n.endswith(".lora_A")}
+        return (count(base & split), count((base & blocks) - split), count(base - blocks), count(adapters),
+                count(adapted))
     finally:
         if owned:
             destroy_parallel()
@@ -102,25 +109,34 @@ def estimate(cfg, world_size: int, image_tokens: int | None = None, text_tokens:
     the rows' image tokens (default: the pipeline task's grid at data.height x data.width, 16 pixels a token);
     ``state``: the run's ParallelState when torch.distributed is up; ``device_bytes`` (default: the state's
     accelerator's) resolves ``rollout.engine_parallel=auto``: the engine is counted TP-sharded when the whole one
-    does not fit it (whole on a CPU)."""
+    does not fit it (whole on a CPU); then ``rollout.lora_weights=auto``: merged when the copies fit too (separate on
+    a CPU)."""
     p, choice = cfg.parallel, cfg.rollout.engine_parallel
     in_process = cfg.sync.engine_placement == "in_process"
     sharded = in_process and p.tp > 1 and choice in ("tp", "tp_cp")
-    est = _estimate(cfg, world_size, image_tokens, text_tokens, state, p.tp if sharded else 1)
     if device_bytes is None and state is not None:
         device_bytes = device_memory(state)
-    if in_process and p.tp > 1 and choice == "auto" and device_bytes and est.total > device_bytes * (1 - HEADROOM):
+    adapters = in_process and cfg.sync.resolved_mode(cfg.lora.rank) == "lora" and not cfg.rollout.fp8
+    merged = adapters and (cfg.rollout.lora_weights == "merged" or (cfg.rollout.lora_weights == "auto"
+                                                                     and bool(device_bytes)))
+    fits = lambda e: e.total <= device_bytes * (1 - HEADROOM)  # noqa: E731
+    est = _estimate(cfg, world_size, image_tokens, text_tokens, state, p.tp if sharded else 1)
+    if in_process and p.tp > 1 and choice == "auto" and device_bytes and not fits(est):
         est = _estimate(cfg, world_size, image_tokens, text_tokens, state, p.tp)
+    if merged:  # (auto: merged only where the copies fit beside that engine)
+        with_copies = _estimate(cfg, world_size, image_tokens, text_tokens, state, est.engine_tp, True)
+        if cfg.rollout.lora_weights == "merged" or fits(with_copies):
+            est = with_copies
     return est
 
 
 def _estimate(cfg, world_size: int, image_tokens: int | None, text_tokens: int, state,
-              engine_tp: int) -> MemoryEstimate:
+              engine_tp: int, merged: bool = False) -> MemoryEstimate:
     from megatron_omni.trainer.build import shares_base
 
     p, family, arch = cfg.parallel, cfg.model.family_impl, cfg.model.arch
     dp = p.data_parallel_size(world_size)
-    split, block_rest, outside, adapters = _counts(cfg, state)
+    split, block_rest, outside, adapters, adapted = _counts(cfg, state)
     model_params = split + block_rest + outside
     per_device = split / (p.tp * p.pp) + block_rest / p.pp + outside
     dtype_bytes = torch.empty((), dtype=cfg.model.torch_dtype).element_size()
@@ -150,21 +166,25 @@ def _estimate(cfg, world_size: int, image_tokens: int | None, text_tokens: int, 
     on_host = cfg.rollout.trajectories_on == "host"
     parts["trajectories" + (" (in host memory)" if on_host else "")] = \
         0 if on_host else samples * image_tokens * family.latent_channels(arch) * 4 * latents
+    room = parts["activations (1 micro-batch)"]  # what the rollout-only parts may take: training's activations
     if cfg.data.task == "pipeline" and cfg.model.path and Path(cfg.model.path).is_dir():
         files = sum(f.stat().st_size for sub in ("text_encoder", "vae")
                     for f in (Path(cfg.model.path) / sub).rglob("*.safetensors"))
         if cfg.data.offload_encoders:  # the rollout holds them, training the activations: the larger counts
-            parts["text encoder + VAE (offloaded: beyond the activations)"] = \
-                max(0.0, files - parts["activations (1 micro-batch)"])
+            parts["text encoder + VAE (offloaded: beyond the activations)"] = max(0.0, files - room)
+            room = max(0.0, room - files)
         else:
             parts["text encoder + VAE"] = files
+    if merged:  # (held in the rollout only)
+        parts["merged LoRA weights (beyond the activations)"] = max(0.0, adapted / engine_tp * dtype_bytes - room)
     what = (f"TP{p.tp} x CP{p.cp}" + (f" (Ulysses {p.ulysses})" if p.cp > 1 else "") + f" x PP{p.pp} x DP{dp} on "
             f"{world_size} ranks, {family.name} {model_params / 1e9:.2f} B params"
             + (f" + LoRA r{cfg.lora.rank} {adapters / 1e6:.0f} M" if adapters else "") + f", {cfg.model.dtype}, "
             f"micro-batch {cfg.train.micro_batch_size}, {image_tokens} + {text_tokens} tokens"
             + (f", recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
-            + (f", engine TP{engine_tp}-sharded" if engine_tp > 1 else ""))
-    return MemoryEstimate(parts, what, engine_tp)
+            + (f", engine TP{engine_tp}-sharded" if engine_tp > 1 else "")
+            + (", LoRA merged in the rollout" if merged else ""))
+    return MemoryEstimate(parts, what, engine_tp, merged)
 
 
 def _activations(train, blocks: float, sbh: float, tp: int) -> float:

@@ -63,7 +63,7 @@ def step_flops(forward_flops_per_row: float, rollout_rows: int, check_rows: int,
 def varlen_step_flops(per_row: Callable[[Hashable], tuple[float, float]],
                       trajectories: list[tuple[Hashable, Hashable | None, int]],
                       *, rollout_steps: int, frozen_base: bool, reused_uncond_pairs: int = 0, check_samples: int = 0,
-                      check_reuses_uncond: bool = False, kl: bool = False) -> float:
+                      check_reuses_uncond: bool = False, kl: bool = False, merged_rollout: bool = False) -> float:
     """FLOPs of one FlowGRPO step whose rows run at different text lengths (each prompt and negative prompt at its
     own, as the rollout engine and the trainer lay text out), as ``step_flops`` counts them row by row.
 
@@ -73,11 +73,13 @@ def varlen_step_flops(per_row: Callable[[Hashable], tuple[float, float]],
     row of that shape.  Rows: the rollout's steps (cond and uncond); per trained pair a cond forward + backward, an uncond
     forward unless among the first ``reused_uncond_pairs`` pairs (the rollout's output reused); the log-prob check
     of the first ``check_samples`` samples' pairs (cond rows only when ``check_reuses_uncond``); with ``kl`` the
-    reference's cond and uncond rows (base only)."""
-    forward, train, reference = Counter(), Counter(), Counter()  # row shape -> rows
+    reference's cond and uncond rows (base only); ``merged_rollout``: the rollout's rows ran the adapters merged into
+    the base's weights (base FLOPs only)."""
+    forward, train, reference, rollout = Counter(), Counter(), Counter(), Counter()  # row shape -> rows
     reused_left = reused_uncond_pairs
     for i, (cond, uncond, pairs) in enumerate(trajectories):
         forward[cond] += rollout_steps
+        rollout[cond] += rollout_steps
         train[cond] += pairs
         reference[cond] += pairs if kl else 0
         if i < check_samples:
@@ -86,6 +88,7 @@ def varlen_step_flops(per_row: Callable[[Hashable], tuple[float, float]],
             continue
         reused = min(pairs, reused_left)
         reused_left -= reused
+        rollout[uncond] += rollout_steps
         forward[uncond] += rollout_steps + (pairs - reused) + (pairs if i < check_samples and not check_reuses_uncond
                                                                else 0)
         reference[uncond] += pairs if kl else 0
@@ -94,6 +97,7 @@ def varlen_step_flops(per_row: Callable[[Hashable], tuple[float, float]],
         base, adapter = per_row(shape)
         total += step_flops(base, forward[shape], 0, train[shape], frozen_base=frozen_base,
                             adapter_flops_per_row=adapter, reference_rows=reference[shape])
+        total -= adapter * rollout[shape] if merged_rollout else 0.0
     return total
 
 

@@ -16,9 +16,9 @@ Only GEMMs of at least ``MIN_ROWS`` rows take the FP8 path: the per-token ones (
 per-sample GEMMs (a batch's few rows: the timestep embedding) stay in the model dtype; they cost nothing and a
 per-sample scale buys no speed.  Linears that gather their output (the adaLN modulations) are never switched.
 
-The quantized copy is rebuilt when the weight changes (its version counter moves: a weight sync, a load), so a
-LoRA run, whose base never changes, quantizes once.  With the engine sharing the policy's base (LoRA in
-process) the copy costs half the base's bf16 bytes.
+The switched linears and their quantized copies: ``model_specs.common.rollout_linear`` (rebuilt when the weight
+changes; with the engine sharing the policy's base, LoRA in process, the copy costs half the base's bf16 bytes;
+with the adapters merged, ``rollout.lora_weights=merged``, it holds them too).
 """
 from __future__ import annotations
 
@@ -146,92 +146,3 @@ def check_fp8_device(device: torch.device) -> None:
         cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
         raise ValueError(f"rollout.fp8: the GPU {torch.cuda.get_device_name(device)!r} has compute capability {cap}; "
                          f"FP8 GEMMs need 8.9 or newer (Ada, Hopper, Blackwell); expected rollout.fp8=false here")
-
-
-class FP8Linear:
-    """Mixin of a megatron-core local linear: its matmul (``_forward_impl``) runs in FP8 once ``set_fp8(True)``
-    was called and autograd is off, for inputs of at least ``MIN_ROWS`` rows; otherwise megatron's own."""
-
-    fp8_weight: torch.Tensor | None = None  # [N, K] e4m3
-    fp8_scale: torch.Tensor | None = None  # [1, N] float32
-    _fp8_on = False
-    _fp8_version: tuple | None = None
-    fp8_fast_accum = True  # the GPU kernel's fast accumulation (fp8_matmul)
-
-    def fp8_capable(self) -> bool:
-        """Whether this linear's product is a plain local x W^T (no sequence parallelism, no output gather)."""
-        k, n = self.weight.shape[1], self.weight.shape[0]
-        return (not getattr(self, "sequence_parallel", False) and not getattr(self, "gather_output", False)
-                and k % 16 == 0 and n % 16 == 0)
-
-    def set_fp8(self, enable: bool, fast_accum: bool = True) -> bool:
-        """Switch the FP8 path on (quantizing the weight) or off (dropping the copy); returns whether it is on."""
-        self._fp8_on = bool(enable) and self.fp8_capable()
-        self.fp8_fast_accum = bool(fast_accum)
-        self.fp8_weight = self.fp8_scale = self._fp8_version = None
-        self.refresh_fp8()
-        return self._fp8_on
-
-    @torch.no_grad()
-    def refresh_fp8(self) -> None:
-        """Re-quantize the weight if it changed since the last quantization (a sync, a load, a device move)."""
-        if not self._fp8_on:
-            return
-        w = self.weight
-        version = (w.data_ptr(), w._version, w.device)
-        if version != self._fp8_version:
-            self.fp8_weight, scale_N1 = quantize_rows(w)
-            self.fp8_scale = scale_N1.t().contiguous()
-            self._fp8_version = version
-
-    def fp8_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x W^T in FP8 when the path applies to ``x`` (on, no autograd, enough rows), else None."""
-        if not self._fp8_on or torch.is_grad_enabled() or x.numel() < MIN_ROWS * x.shape[-1]:
-            return None
-        if self.fp8_weight is None:
-            raise RuntimeError(f"{type(self).__name__}: FP8 is on but the weight was not quantized; call refresh_fp8()")
-        x_MK = x.reshape(-1, x.shape[-1])
-        return fp8_matmul(x_MK, self.fp8_weight, self.fp8_scale, self.fp8_fast_accum).view(*x.shape[:-1], -1)
-
-    def fp8_quantized_product(self, x_q_MK: torch.Tensor, x_scale_M1: torch.Tensor, out_dtype: torch.dtype):
-        """x W^T [M, N] from an input already quantized per row (``gelu_quantize_rows``): the kernel alone."""
-        if self.fp8_weight is None:
-            raise RuntimeError(f"{type(self).__name__}: FP8 is on but the weight was not quantized; call refresh_fp8()")
-        return scaled_product(x_q_MK, x_scale_M1, self.fp8_weight, self.fp8_scale, out_dtype, self.fp8_fast_accum)
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        bias = kwargs.get("bias", args[0] if args else None)
-        if weight is self.weight:
-            out = self.fp8_product(input)
-            if out is not None:
-                return out if bias is None else out + bias
-        return super()._forward_impl(input, weight, *args, **kwargs)
-
-
-def fp8_linears(model: torch.nn.Module):
-    return ((name, m) for name, m in model.named_modules() if isinstance(m, FP8Linear))
-
-
-def enable_fp8(model: torch.nn.Module, enable: bool = True, fast_accum: bool = True) -> int:
-    """Switch every FP8-capable local linear of ``model`` to FP8 products (``enable=False``: all back), with the
-    GPU kernel's fast accumulation or not; returns how many are on.  Call before ``fusion.fuse_inference``: a fused
-    GEMM epilogue yields to FP8."""
-    return sum(m.set_fp8(enable, fast_accum) for _, m in fp8_linears(model))
-
-
-def refresh_fp8(model: torch.nn.Module) -> None:
-    """Re-quantize the switched linears whose weights changed (cheap when none did)."""
-    for _, m in fp8_linears(model):
-        m.refresh_fp8()
-
-
-def drop_fp8(model: torch.nn.Module) -> None:
-    """Free the quantized copies (the switch stays on: ``refresh_fp8`` rebuilds them), e.g. while weights sleep."""
-    for _, m in fp8_linears(model):
-        m.fp8_weight = m.fp8_scale = m._fp8_version = None
-
-
-def uses_fp8(linear: torch.nn.Module) -> bool:
-    """Whether ``linear`` (or a LoRA adapter's base) runs its product in FP8."""
-    base = getattr(linear, "base", linear)
-    return bool(getattr(base, "_fp8_on", False))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
-from model_specs.common.fp8 import FP8Linear
 from model_specs.common.lora import LoRALinear
+from model_specs.common.rollout_linear import RolloutLinear
 
 
 def local_column(linear: torch.nn.Module) -> bool:
@@ -37,17 +37,21 @@ def column_parts(linear: torch.nn.Module, x: torch.Tensor):
       writing their sum first.  Not addmm with the bias in cuBLAS's epilogue: at the rollout's image QKV
       ([32768, 3072] x [3072, 9216], H200) cuBLAS ran ``mm`` at 817 TFLOP/s and the bias epilogue at 690
       (bench/gemm_shapes.py; within 2.5 % of each other at 4096 and 8192 rows).  The product rounded, then the bias
-      added, is also what megatron's linear computes in training.  A base switched to FP8 (``fp8.FP8Linear``)
-      gives its FP8 product instead;
+      added, is also what megatron's linear computes in training.  A base with rollout weights
+      (``rollout_linear.RolloutLinear``) gives its FP8 product, or its merged weight's, instead (an adapter merged
+      there gives no output of its own);
     - anything else: its own forward.
     """
     wrapped = isinstance(linear, LoRALinear)
     base = linear.base if wrapped else linear
     if plain_column(base):  # (an adapter on a column-parallel base is column-parallel itself)
-        product = base.fp8_product(x) if isinstance(base, FP8Linear) else None  # (the FP8 rollout path)
+        rollout = isinstance(base, RolloutLinear)
+        product = base.fp8_product(x) if rollout else None  # (the FP8 rollout path)
         if product is None:
-            product = torch.mm(x.reshape(-1, x.shape[-1]), base.weight.t()).view(*x.shape[:-1], -1)
-        return product, base.bias, linear.low_rank(x) if wrapped and linear.enabled else None
+            weight = base.rollout_weight() if rollout else base.weight
+            product = torch.mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], -1)
+        adapter = wrapped and linear.enabled and not linear.merged_in_base(x)
+        return product, base.bias, linear.low_rank(x) if adapter else None
     return linear(x)[0], None, None
 
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
 from model_specs.common import fp8
-from model_specs.common.fp8 import uses_fp8
 from model_specs.common.fusion import local_column
 from model_specs.common.lora import COLUMN, LoRALinear
+from model_specs.common.rollout_linear import RolloutLinear, uses_fp8
 
 
 def _is_gelu_tanh(fn) -> bool:
@@ -90,7 +90,8 @@ class GeluMLP(MLP):
     def refresh_fused(self) -> None:
         """Rebuild ``[W | B]`` from the current weights (LoRA on fc1 only; nothing to do otherwise)."""
         fc1 = self.linear_fc1
-        if not self.fused or not isinstance(fc1, LoRALinear) or not fc1.enabled or uses_fp8(fc1):
+        if not self.fused or not isinstance(fc1, LoRALinear) or not fc1.enabled or uses_fp8(fc1) \
+                or getattr(fc1.base, "_merge_on", False):  # (merged: the rollout's weight holds the adapter)
             self.fused_weight = None
             return
         w_NK, b_NR = fc1.base.weight, fc1.lora_B[0]
@@ -109,13 +110,14 @@ class GeluMLP(MLP):
             if x_MK.shape[0] < fp8.MIN_ROWS:  # (a per-sample GEMM: the model dtype's path)
                 return super().forward(hidden_states)
             return self._fp8_forward(x_MK, hidden_states.shape[:-1])
-        if isinstance(fc1, LoRALinear) and fc1.enabled:
+        if isinstance(fc1, LoRALinear) and fc1.enabled and not fc1.merged_in_base(x_MK):
             if self.fused_weight is None:
                 raise RuntimeError("GeluMLP: fused with a LoRA adapter on fc1 but refresh_fused() was not called")
             act = lora_linear_gelu_tanh(x_MK, fc1.lora_A[0], fc1.scaling, self.fused_weight, fc1.base.bias)
         else:
             base = fc1.base if isinstance(fc1, LoRALinear) else fc1
-            act = linear_gelu_tanh(x_MK, base.weight, base.bias)
+            weight = base.rollout_weight() if isinstance(base, RolloutLinear) else base.weight
+            act = linear_gelu_tanh(x_MK, weight, base.bias)
         return self.linear_fc2(act.view(*hidden_states.shape[:-1], -1))
 
     # ---- the FP8 rollout (model_specs.common.fp8) --------------------------------------------------------------
@@ -137,8 +139,8 @@ class GeluMLP(MLP):
         unfused path reads fc1's output twice for the row maxima, then writes the activation and its FP8 copy),
         then fc2's FP8 kernel (+ its bias and LoRA output, as its forward adds them)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        lora1 = isinstance(fc1, LoRALinear) and fc1.enabled
-        lora2 = isinstance(fc2, LoRALinear) and fc2.enabled
+        lora1 = isinstance(fc1, LoRALinear) and fc1.enabled and not fc1.merged_in_base(x_MK)
+        lora2 = isinstance(fc2, LoRALinear) and fc2.enabled and not fc2.merged_in_base(x_MK)  # (act: x's rows)
         base1 = fc1.base if isinstance(fc1, LoRALinear) else fc1
         base2 = fc2.base if isinstance(fc2, LoRALinear) else fc2
         y_MN = base1.fp8_product(x_MK)

@@ -48,6 +48,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from checkpoints_convert.mapping import QKV, Rule, fuse_qkv, tp_shard
+from model_specs.common.rollout_linear import RolloutLinear
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 # the flow_grpo / VeRL-Omni default for Qwen-Image: every attention and MLP linear of the blocks
@@ -158,7 +159,7 @@ class LoRALinear(torch.nn.Module):
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out = self.base(x, *args, **kwargs)
-        if not self.enabled:
+        if not self.enabled or self.merged_in_base(x):
             return out
         if self.kind == REPLICATED:
             return out + self.low_rank(x)
@@ -204,10 +205,21 @@ class LoRALinear(torch.nn.Module):
         return fuse_qkv(*moved, heads=heads).movedim(0, dim)
 
     # ---- merge and export ------------------------------------------------------------------------
-    def delta_weight(self) -> torch.Tensor:
-        """(alpha / r) * B A in the layout of this rank's base weight ([O_local, I] or [O, I_local])."""
-        parts = [self.lora_B[j] @ self.lora_A[j] for j in range(self.lora_A.shape[0])]
+    def merged_in_base(self, x: torch.Tensor) -> bool:
+        """Whether the base's product of ``x`` already holds this adapter's output (the rollout engine's merged
+        weights: ``model_specs.common.rollout_linear``)."""
+        return isinstance(self.base, RolloutLinear) and self.base.adapter_merged(x)
+
+    def delta_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(alpha / r) * B A in the layout of this rank's base weight ([O_local, I] or [O, I_local]), its products
+        in ``dtype`` (default: the adapters')."""
+        dtype = dtype or self.lora_A.dtype
+        parts = [self.lora_B[j].to(dtype) @ self.lora_A[j].to(dtype) for j in range(self.lora_A.shape[0])]
         return self._fuse(parts, dim=0) * self.scaling
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) * B A of this rank's base, in float32 (the rollout's merged weight, before its rounding)."""
+        return self.base.weight.float() + self.delta_weight(torch.float32)
 
     def peft_tensors(self, grad: bool = False) -> Iterator[tuple[str, torch.Tensor, int | None]]:
         """(peft name, this rank's tensor, TP-split dim or None) for each adapter matrix; its ``.grad``

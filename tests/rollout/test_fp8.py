@@ -11,7 +11,8 @@ import torch
 
 import model_specs.common.fp8 as fp8
 from megatron_omni.rollout.engine import EmbeddedEngine, EngineConfig, Request
-from model_specs.common.fp8 import E4M3_MAX, enable_fp8, fp8_linears, fp8_matmul, quantize_rows
+from model_specs.common.fp8 import E4M3_MAX, fp8_matmul, quantize_rows
+from model_specs.common.rollout_linear import drop_rollout_weights, enable_fp8, rollout_linears
 from model_specs.qwen_image.model import QwenImageModel
 from tests.qwen_image_reference import tiny_config
 from tests.rollout.test_engine import ToyEncoder
@@ -70,7 +71,7 @@ def test_switched_linears_run_fp8_without_autograd_only(model):
     with torch.no_grad():
         plain = model(*_inputs())
     switched = enable_fp8(model)
-    names = [n for n, m in fp8_linears(model) if m._fp8_on]
+    names = [n for n, m in rollout_linears(model) if m._fp8_on]
     assert switched == len(names) and any(".linear_qkv" in n for n in names) and any("fc2" in n for n in names)
     with torch.no_grad():
         quantized = model(*_inputs())
@@ -85,21 +86,21 @@ def test_switched_linears_run_fp8_without_autograd_only(model):
 
 def test_quantized_copies_follow_weight_changes(model):
     enable_fp8(model)
-    linear = next(m for n, m in fp8_linears(model) if n.endswith("linear_proj"))
+    linear = next(m for n, m in rollout_linears(model) if n.endswith("linear_proj"))
     before, scale, copy = linear.fp8_weight.clone(), linear.fp8_scale.clone(), linear.fp8_weight
-    linear.refresh_fp8()
+    linear.refresh_rollout()
     assert linear.fp8_weight is copy  # unchanged weights: no re-quantization
     with torch.no_grad():
         linear.weight.mul_(2.0)  # a sync writes in place: the version counter moves
-    linear.refresh_fp8()
+    linear.refresh_rollout()
     assert linear.fp8_weight is not copy  # re-quantized: the same codes at twice the scale
     assert torch.equal(linear.fp8_weight.view(torch.uint8), before.view(torch.uint8))
     assert torch.equal(linear.fp8_scale, scale * 2)
     # e4m3: 2^-4 relative for normal codes; the subnormal ones (below 2^-6 of the row scale) step by 2^-9 of it
     torch.testing.assert_close(linear.fp8_weight.float() * linear.fp8_scale.t(), linear.weight, rtol=2 ** -4,
                                atol=float(linear.fp8_scale.max()) * 2 ** -9)
-    fp8.drop_fp8(model)
-    with pytest.raises(RuntimeError, match="refresh_fp8"):
+    drop_rollout_weights(model)
+    with pytest.raises(RuntimeError, match="refresh_rollout_weights"):
         with torch.no_grad():
             model(*_inputs())
 
@@ -122,9 +123,9 @@ def test_engine_samples_with_fp8_gemms_and_fused_mlps(model):
 def test_engine_passes_the_accumulation_setting_to_every_switched_linear(model):
     """``rollout.fp8_fast_accum`` reaches each linear's kernel call (the GPU's ``use_fast_accum``; on by default)."""
     on = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(fp8=True))
-    assert on.fp8 > 0 and all(m.fp8_fast_accum for _, m in fp8_linears(model) if m._fp8_on)
+    assert on.fp8 > 0 and all(m.fp8_fast_accum for _, m in rollout_linears(model) if m._fp8_on)
     off = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(fp8=True, fp8_fast_accum=False))
-    switched = [m for _, m in fp8_linears(model) if m._fp8_on]
+    switched = [m for _, m in rollout_linears(model) if m._fp8_on]
     assert off.fp8 == len(switched) > 0 and not any(m.fp8_fast_accum for m in switched)
 
 

@@ -205,10 +205,13 @@ class FlowGRPO(Algorithm):
 
     def trainer_old_policy(self, cfg) -> bool:
         """Whether π_old is the trainer's recomputation rather than the rollout's log-probs
-        (``algorithm.old_log_prob``; "auto": with an FP8 rollout, which samples with other GEMMs than the bf16
-        trainer, so that its log-probs are logged against the trainer's, the check, and not trained on)."""
+        (``algorithm.old_log_prob``; "auto": when the rollout samples with other GEMMs than the trainer, an FP8
+        rollout or LoRA adapters merged into its weights, so that its log-probs are logged against the trainer's,
+        the check, and not trained on)."""
         source = cfg.algorithm.old_log_prob
-        return bool(cfg.rollout.fp8) if source == "auto" else source == "trainer"
+        if source != "auto":
+            return source == "trainer"
+        return bool(cfg.rollout.fp8) or cfg.rollout_merges_lora
 
     def recompute_old_log_probs(self, run, steps: list[list]) -> list[list]:
         """The optimizer steps with π_old from the trainer at the rollout's weights: the first step's micro-batches
@@ -272,7 +275,8 @@ class FlowGRPO(Algorithm):
             check_samples = 0 if self.folded_check_pairs(run, trajs) is not None else self.check_samples(run)
         total = varlen_step_flops(per_row, samples, rollout_steps=cfg.rollout.num_steps, frozen_base=cfg.lora.rank > 0,
                                   reused_uncond_pairs=reused, check_samples=check_samples,
-                                  check_reuses_uncond=reuse, kl=cfg.algorithm.kl_beta > 0)
+                                  check_reuses_uncond=reuse, kl=cfg.algorithm.kl_beta > 0,
+                                  merged_rollout=cfg.rollout_merges_lora)
         if self.trainer_old_policy(cfg):  # pi_old of the pairs after the first optimizer step: a forward-only pass
             skip = self.micro_batches_per_step(run) * cfg.train.micro_batch_size
             for cond, uncond, n in samples:
