@@ -205,3 +205,25 @@ def test_memory_estimate_counts_the_merged_copies_and_resolves_auto():
     assert not estimate(auto, 1, device_bytes=tight).lora_merged
     fp8 = estimate(load_config("qwen_image_full", None, base + ["rollout.lora_weights=merged", "rollout.fp8=true"]), 1)
     assert part not in fp8.parts  # (FP8: the quantized copy holds the adapters)
+
+
+@pytest.mark.numerics
+def test_compiled_merged_rollout_has_no_graph_break(model):
+    """Under ``rollout.compile`` (torch.compile per block, the engine's fusions on) the merged rollout forward and
+    the trainer's forward + backward of the same blocks compile without a graph break and compute what eager does."""
+    from torch._dynamo.utils import counters
+
+    from megatron_omni.compile import compile_blocks
+
+    merge_adapters(model)
+    fuse_inference(model)
+    with torch.no_grad():
+        eager = model(*_inputs())
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(model, "default")
+    with torch.no_grad():
+        torch.testing.assert_close(model(*_inputs()), eager, rtol=1e-5, atol=1e-6)
+    model(*_inputs()).square().mean().backward()
+    assert all(lora.lora_B.grad is not None for lora in lora_modules(model).values())
+    assert not counters["graph_break"], dict(counters["graph_break"])
