@@ -182,12 +182,12 @@ class LoRALinear(torch.nn.Module):
             y = gather_from_tensor_model_parallel_region(y, group=group)
         return y
 
-    def _up_weight(self) -> torch.Tensor:
+    def _up_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """(alpha / r) * B as ONE [O_local, P*r] matrix in the base's output layout: part j's rows read h's
         columns j*r:(j+1)*r (block-diagonal), fused QKV rows interleaved per head.  One GEMM then writes the
         adapter's output in place; a batched per-part product (einsum over p) made cuBLAS pick a kernel 15x
         slower than its traffic on an H200 at the rollout's 32 k tokens, plus an interleaving copy."""
-        b_PoR = self.lora_B * self.scaling
+        b_PoR = (self.lora_B if dtype is None else self.lora_B.to(dtype)) * self.scaling
         if b_PoR.shape[0] == 1:
             return self._fuse([b_PoR[0]], dim=0)
         return self._fuse(list(torch.block_diag(*b_PoR).chunk(b_PoR.shape[0], dim=0)), dim=0)
@@ -210,16 +210,17 @@ class LoRALinear(torch.nn.Module):
         weights: ``model_specs.common.rollout_linear``)."""
         return isinstance(self.base, RolloutLinear) and self.base.adapter_merged(x)
 
-    def delta_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(alpha / r) * B A in the layout of this rank's base weight ([O_local, I] or [O, I_local]), its products
-        in ``dtype`` (default: the adapters')."""
-        dtype = dtype or self.lora_A.dtype
-        parts = [self.lora_B[j].to(dtype) @ self.lora_A[j].to(dtype) for j in range(self.lora_A.shape[0])]
+    def delta_weight(self) -> torch.Tensor:
+        """(alpha / r) * B A in the layout of this rank's base weight ([O_local, I] or [O, I_local])."""
+        parts = [self.lora_B[j] @ self.lora_A[j] for j in range(self.lora_A.shape[0])]
         return self._fuse(parts, dim=0) * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) * B A of this rank's base, in float32 (the rollout's merged weight, before its rounding)."""
-        return self.base.weight.float() + self.delta_weight(torch.float32)
+        """W + (alpha / r) * B A of this rank's base, in float32 (the rollout's merged weight, before its rounding):
+        one addmm of the up-projection as the forward lays it out and the stacked A (the parts' delta together)."""
+        p, r = self.lora_A.shape[:2]
+        return torch.addmm(self.base.weight.float(), self._up_weight(torch.float32),
+                           self.lora_A.reshape(p * r, -1).float())
 
     def peft_tensors(self, grad: bool = False) -> Iterator[tuple[str, torch.Tensor, int | None]]:
         """(peft name, this rank's tensor, TP-split dim or None) for each adapter matrix; its ``.grad``
