@@ -227,3 +227,60 @@ def test_compiled_merged_rollout_has_no_graph_break(model):
     model(*_inputs()).square().mean().backward()
     assert all(lora.lora_B.grad is not None for lora in lora_modules(model).values())
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def _tp2_merged_vs_separate(state):
+    """On each rank of a TP pair: the merged forward's relative distance to the separate one, and whether the
+    adapters ran (column-parallel bases: B split, A whole; row-parallel: A split over the pair's input shards)."""
+    import model_specs.common.fp8 as fp8_module
+
+    fp8_module.MIN_ROWS = 16
+    torch.manual_seed(0)
+    m = QwenImageModel(ARCH, ARCH.transformer_config(2), state.tp_group)
+    apply_lora(m, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(ARCH), seed=0)
+    for lora in lora_modules(m).values():
+        with torch.no_grad():
+            lora.lora_B.normal_(std=0.05, generator=torch.Generator().manual_seed(5))
+    out = {}
+    for fp8_on in (False, True):
+        enable_fp8(m, fp8_on)
+        merge_adapters(m, enable=False)
+        with torch.no_grad():
+            separate = m(*_inputs())
+        merge_adapters(m)
+        with torch.no_grad():
+            merged = m(*_inputs())
+        out[fp8_on] = float((merged - separate).norm() / separate.norm())
+    kinds = {lora.kind for lora in lora_modules(m).values()}
+    return out, sorted(kinds)
+
+
+@pytest.mark.numerics
+def test_merged_adapters_at_tp2_compute_the_separate_forward():
+    """``rollout.engine_parallel=tp`` with merged adapters: every rank merges its own shards (W_local + s B A_local
+    for a row-parallel base), and the TP pair's forward is the separate adapters' (float32: to rounding; FP8: within
+    its quantization of a weight moved by s B A)."""
+    from megatron_omni.parallel.testing import run_distributed
+
+    for out, kinds in run_distributed(_tp2_merged_vs_separate, 2, parallel={"tp": 2}):
+        assert kinds == ["column", "row"]
+        assert 0 < out[False] < 1e-5 and out[True] < 1e-2, out
+
+
+def test_sd3_merged_forward_is_the_separate_one(single_rank, low_rank_calls):
+    """A second family through the same switch: SD3.5-M's (dual attention, fused inference paths) merged rollout
+    forward equals its separate adapters' to float32 rounding, without the adapters' products."""
+    from tests.sd3.test_inference_fusion import _forward, _model
+    from tests.sd3.reference import SHAPES, tiny_config
+
+    arch = tiny_config(**SHAPES["3.5-M"])
+    sd3 = _model(single_rank, arch, lora=True)
+    fuse_inference(sd3, strict=True)
+    separate = _forward(sd3, arch)
+    assert merge_adapters(sd3) == len(lora_modules(sd3)) > 0
+    fuse_inference(sd3, strict=True)
+    low_rank_calls.clear()
+    merged = _forward(sd3, arch)
+    assert low_rank_calls == []
+    rel = (merged - separate).norm() / separate.norm()
+    assert 0 < rel < 1e-5, rel
