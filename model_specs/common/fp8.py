@@ -77,7 +77,7 @@ def _gelu_quantize_reference(y_MN, bias_N, lora_MN):
 if triton is not None:
     @triton.jit
     def _gelu_quantize_kernel(y, bias, lora, a_out, q_out, s_out, N, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                              KEEP: tl.constexpr, BLOCK: tl.constexpr):
+                              KEEP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # one row, whole in registers: read once, written once
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -88,8 +88,11 @@ if triton is not None:
         if HAS_BIAS:
             x = (x.to(tl.float32) + tl.load(bias + cols, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
         xf = x.to(tl.float32)
-        inner = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)  # sqrt(2 / pi) (x + 0.044715 x^3)
-        g = (0.5 * xf * (2.0 * tl.sigmoid(2.0 * inner))).to(x.dtype)  # 1 + tanh(z) = 2 sigmoid(2 z)
+        if GELU:
+            inner = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)  # sqrt(2 / pi) (x + 0.044715 x^3)
+            g = (0.5 * xf * (2.0 * tl.sigmoid(2.0 * inner))).to(x.dtype)  # 1 + tanh(z) = 2 sigmoid(2 z)
+        else:
+            g = x
         if KEEP:
             tl.store(a_out + at, g, mask=m)
         gf = tl.where(m, g.to(tl.float32), 0.0)
@@ -128,9 +131,26 @@ def gelu_quantize_rows(y_MN: torch.Tensor, bias_N: torch.Tensor | None, lora_MN:
     s = torch.empty(m, 1, device=y_MN.device, dtype=torch.float32)
     block = triton.next_power_of_2(n)
     _gelu_quantize_kernel[(m,)](y_MN, y_MN if bias_N is None else bias_N, lora, a, q, s, n, HAS_BIAS=bias_N is not None,
-                                HAS_LORA=lora_MN is not None, KEEP=keep_activation, BLOCK=block,
+                                HAS_LORA=lora_MN is not None, KEEP=keep_activation, GELU=True, BLOCK=block,
                                 num_warps=max(4, min(16, block // 1024)))
     return a, q, s
+
+
+@torch.no_grad()
+def quantize_weight_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` of a weight (the rollout's copies: once per weight change, outside any compiled graph): on
+    CUDA the row kernel above without its GELU, one read of W and one write of its codes (the torch ops make five
+    float32 passes); elsewhere ``quantize_rows``."""
+    if not _runs_gelu_kernel(w_NK):
+        return quantize_rows(w_NK)
+    n, k = w_NK.shape
+    w_NK = w_NK.contiguous()
+    q = torch.empty(n, k, device=w_NK.device, dtype=E4M3)
+    s = torch.empty(n, 1, device=w_NK.device, dtype=torch.float32)
+    block = triton.next_power_of_2(k)
+    _gelu_quantize_kernel[(n,)](w_NK, w_NK, w_NK, w_NK, q, s, k, HAS_BIAS=False, HAS_LORA=False, KEEP=False,
+                                GELU=False, BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+    return q, s
 
 
 @gelu_quantize_rows.register_fake

@@ -182,12 +182,12 @@ class LoRALinear(torch.nn.Module):
             y = gather_from_tensor_model_parallel_region(y, group=group)
         return y
 
-    def _up_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _up_weight(self) -> torch.Tensor:
         """(alpha / r) * B as ONE [O_local, P*r] matrix in the base's output layout: part j's rows read h's
         columns j*r:(j+1)*r (block-diagonal), fused QKV rows interleaved per head.  One GEMM then writes the
         adapter's output in place; a batched per-part product (einsum over p) made cuBLAS pick a kernel 15x
         slower than its traffic on an H200 at the rollout's 32 k tokens, plus an interleaving copy."""
-        b_PoR = (self.lora_B if dtype is None else self.lora_B.to(dtype)) * self.scaling
+        b_PoR = self.lora_B * self.scaling
         if b_PoR.shape[0] == 1:
             return self._fuse([b_PoR[0]], dim=0)
         return self._fuse(list(torch.block_diag(*b_PoR).chunk(b_PoR.shape[0], dim=0)), dim=0)
@@ -216,11 +216,12 @@ class LoRALinear(torch.nn.Module):
         return self._fuse(parts, dim=0) * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) * B A of this rank's base, in float32 (the rollout's merged weight, before its rounding):
-        one addmm of the up-projection as the forward lays it out and the stacked A (the parts' delta together)."""
+        """W + (alpha / r) * B A of this rank's base in its dtype (the rollout's merged weight): one addmm of the
+        up-projection the forward reads and the stacked A (every part's delta at once), accumulated in float32
+        with W and rounded once."""
         p, r = self.lora_A.shape[:2]
-        return torch.addmm(self.base.weight.float(), self._up_weight(torch.float32),
-                           self.lora_A.reshape(p * r, -1).float())
+        w = self.base.weight
+        return torch.addmm(w, self._up_weight().to(w.dtype), self.lora_A.reshape(p * r, -1).to(w.dtype))
 
     def peft_tensors(self, grad: bool = False) -> Iterator[tuple[str, torch.Tensor, int | None]]:
         """(peft name, this rank's tensor, TP-split dim or None) for each adapter matrix; its ``.grad``

@@ -4,8 +4,8 @@ Without autograd (the engine's forwards) a switched linear's product reads, inst
 
 * ``W + s·B·A`` with its LoRA adapter merged (``merge_adapters``; ``rollout.lora_weights=merged``): one GEMM where the
   trainer runs the base's and the adapter's two skinny ones (7 % of the full-size Qwen-Image's LoRA r64 rollout
-  forward on an H200, bench/RESULTS.md).  The sum is taken in float32 and rounded once to the model dtype, so the
-  rollout's products differ from the trainer's by rounding (the trainer then recomputes π_old itself:
+  forward on an H200, bench/RESULTS.md).  The sum is one addmm (float32 accumulation, rounded once to the model
+  dtype: ``LoRALinear.merged_weight``), so the rollout's products differ from the trainer's by rounding (the trainer then recomputes π_old itself:
   ``FlowGRPO.trainer_old_policy``);
 * that weight (or W) quantized to float8 e4m3 with per-row scales (``enable_fp8``; ``rollout.fp8``,
   ``model_specs.common.fp8``), for inputs of at least ``fp8.MIN_ROWS`` rows: with an adapter merged, the FP8 GEMM
@@ -74,11 +74,11 @@ class RolloutLinear:
         version += (self._merging(),)
         if version == self._rollout_version:
             return
-        source = self._adapter.merged_weight() if self._merging() else w  # (float32 when merged)
+        source = self._adapter.merged_weight() if self._merging() else w
         if self._fp8_on:
-            self.fp8_weight, scale_N1 = fp8.quantize_rows(source)
+            self.fp8_weight, scale_N1 = fp8.quantize_weight_rows(source)
             self.fp8_scale = scale_N1.t().contiguous()
-        self.merged_weight = source.to(w.dtype) if self._merging() and not self._fp8_on else None
+        self.merged_weight = source if self._merging() and not self._fp8_on else None
         self._rollout_version = version
 
     def drop_rollout(self, merged_only: bool = False) -> None:

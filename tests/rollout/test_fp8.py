@@ -132,7 +132,8 @@ def test_engine_passes_the_accumulation_setting_to_every_switched_linear(model):
 def _gelu_quantize_vs_reference(device: str, dtype: torch.dtype, n: int = 1000):
     """The one-pass bias + GELU-tanh + per-row quantization against the unfused path's torch ops: the activation
     to its dtype's rounding, the scales to float32's, the quantized values within one e4m3 step (a different
-    rounding of GELU or of the division can move a value across a rounding boundary)."""
+    rounding of GELU or of the division can move a value across a rounding boundary); the same kernel without
+    GELU on a weight against ``quantize_rows``."""
     g = torch.Generator().manual_seed(4)
     y = (torch.randn(37, n, generator=g) * 2).to(device, dtype)
     y[3] = 0.0  # an all-zero row after the bias below is removed for this row's check: scale floor
@@ -152,6 +153,13 @@ def _gelu_quantize_vs_reference(device: str, dtype: torch.dtype, n: int = 1000):
         step = (rq.float().abs() * 2.0 ** -3).clamp_min(2.0 ** -9)  # one e4m3 step at each value
         assert ((q.float() - rq.float()).abs() <= step + 1e-6).all()
         assert (q.float() == rq.float()).float().mean() > 0.97  # most values round the same
+    # without GELU: a weight's rows over six decades of scales (the rollout's copies: ``quantize_weight_rows``)
+    w = (torch.randn(37, n, generator=g) * torch.logspace(-3, 3, 37)[:, None]).to(device, dtype)
+    q, s = fp8.quantize_weight_rows(w)
+    rq, rs = quantize_rows(w)
+    torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
+    step = (rq.float().abs() * 2.0 ** -3).clamp_min(2.0 ** -9)
+    assert ((q.float() - rq.float()).abs() <= step + 1e-6).all() and (q.float() == rq.float()).float().mean() > 0.97
 
 
 @pytest.mark.gpu
