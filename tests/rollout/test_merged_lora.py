@@ -208,6 +208,7 @@ def test_memory_estimate_counts_the_merged_copies_and_resolves_auto():
 
 
 @pytest.mark.numerics
+@pytest.mark.slow  # (a CPU compile: run once, natively, not again under the avx2 pass)
 def test_compiled_merged_rollout_has_no_graph_break(model):
     """Under ``rollout.compile`` (torch.compile per block, the engine's fusions on) the merged rollout forward and
     the trainer's forward + backward of the same blocks compile without a graph break and compute what eager does."""
