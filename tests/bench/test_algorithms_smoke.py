@@ -2,6 +2,7 @@
 from the demo's pretraining at one budget, is evaluated before / half-way / at the end, and lands in the table and
 the plot."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_smoke_writes_the_table_and_the_plot(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "algorithms.py"), "--smoke", "--out", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # tiny models: one thread is faster on 2 cores
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "results.json").read_text())
     labels = {r["label"] for r in summary["results"]}
