@@ -51,6 +51,28 @@ def single(tmp_path_factory):
         destroy_parallel()
 
 
+def _train_layouts(layouts, overrides, root):
+    """Every layout of ``layouts`` (name -> init_parallel's arguments) trained in one launch, its groups laid out
+    again on the same ranks (a launch costs seconds, the run a fraction): name -> this rank's metrics."""
+    import torch.distributed as dist
+
+    from megatron_omni.parallel.state import destroy_parallel, init_parallel
+
+    metrics = {}
+    for name, layout in layouts.items():
+        state = init_parallel(**layout, device="cpu")
+        metrics[name] = _train(state, overrides + [f"parallel.{k}={v}" for k, v in layout.items()], root / name)
+        destroy_parallel(keep_default_group=True)
+    dist.destroy_process_group()
+    return metrics
+
+
+def _launch(tmp_path_factory, layouts, world_size):
+    """(root, per rank {name: metrics}) of ``_train_layouts`` on ``world_size`` ranks; run ``root / name``."""
+    root = tmp_path_factory.mktemp(f"ranks{world_size}")
+    return root, run_distributed(_train_layouts, world_size=world_size, args=(layouts, TINY, root), timeout_s=900)
+
+
 def _close(got: list[dict], want: list[dict], rel: float = REL, abs_: float = ABS) -> None:
     """Two runs' metrics of steps 0 and 1: the same keys, every value within ``rel`` / ``abs_``."""
     assert [m["step"] for m in got] == [m["step"] for m in want] == [0, 1]
@@ -64,11 +86,15 @@ LAYOUTS = {"dp2": {"tp": 1}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2_ulysses": 
            "cp2_ring": {"cp": 2}}
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _launch(tmp_path_factory, LAYOUTS, 2)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_loop_at_two_ranks_equals_one_process(single, tmp_path, name):
-    layout, out = LAYOUTS[name], tmp_path / "run"
-    overrides = TINY + [f"parallel.{k}={v}" for k, v in layout.items()]
-    ranks = run_distributed(_train, world_size=2, parallel=layout, args=(overrides, out), timeout_s=600)
+def test_loop_at_two_ranks_equals_one_process(single, two_ranks, name):
+    root, per_rank = two_ranks
+    ranks, out = [r[name] for r in per_rank], root / name
     assert ranks[0] == ranks[1]  # every rank reports the step's metrics alike
     _close(ranks[0], single)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -154,13 +180,16 @@ def test_checkpoint_at_tp2_resumes_at_pp2(tmp_path):
 FOUR_RANKS = {"tp2_pp2": {"tp": 2, "pp": 2}, "dp2_tp2": {"tp": 2}, "cp2_ulysses_pp2": {"cp": 2, "ulysses": 2, "pp": 2}}
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _launch(tmp_path_factory, FOUR_RANKS, 4)
+
+
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
-def test_loop_on_four_ranks_equals_one_process(single, tmp_path, name):
+def test_loop_on_four_ranks_equals_one_process(single, four_ranks, name):
     """TP2 x PP2, DP2 x TP2 (two replicas of a TP pair: each samples and trains its half of the groups) and
-    CP2 (Ulysses) x PP2 on 4 gloo ranks."""
-    layout, out = FOUR_RANKS[name], tmp_path / "run"
-    ranks = run_distributed(_train, world_size=4, parallel=layout,
-                            args=(TINY + [f"parallel.{k}={v}" for k, v in layout.items()], out), timeout_s=900)
+    CP2 (Ulysses) x PP2 on 4 gloo ranks (one launch for the three)."""
+    ranks = [r[name] for r in four_ranks[1]]
     assert all(r == ranks[0] for r in ranks)
     _close(ranks[0], single)
 
