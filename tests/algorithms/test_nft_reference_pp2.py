@@ -19,11 +19,18 @@ CASES = {"full_ema": ["algorithm.diffusion_nft.old_policy=ema", "algorithm.diffu
          "lora": ["lora.rank=4", "lora.alpha=8", "train.lr=1e-3"]}
 
 
+@pytest.fixture(scope="module")
+def at_pp2(tmp_path_factory):
+    from tests.trainer.test_kl_layouts import layouts_and_one_process
+
+    return layouts_and_one_process({n: (NFT + o, {"pp": 2}) for n, o in CASES.items()}, tmp_path_factory.mktemp("nft"))
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_nft_reference_at_pp2_equals_one_process(tmp_path, name):
+def test_nft_reference_at_pp2_equals_one_process(at_pp2, name):
     from tests.trainer.test_kl_layouts import layout_equals_one_process
 
-    single = layout_equals_one_process(NFT + CASES[name], tmp_path, {"pp": 2})
+    single = layout_equals_one_process(*at_pp2[name])
     assert single[0]["ref_loss"] == 0 and single[1]["ref_loss"] > 0 and single[1]["grad_norm"] > 0
     assert all(m["optimizer_steps"] == 1 for m in single)
 

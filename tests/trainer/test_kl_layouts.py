@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_omni.parallel.testing import run_distributed
-from tests.trainer.test_loop_layouts import TINY, _close, _train
+from tests.trainer.test_loop_layouts import TINY, _close, _train, train_layouts
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]  # slow: not rerun under avx2 (make test)
 
@@ -26,26 +26,39 @@ CASES = {"full": [], "lora_cfg": ["lora.rank=4", "lora.alpha=8", "train.lr=1e-3"
 LAYOUTS = {"lora_cfg_vpp2": {"pp": 2, "vpp": 2}}
 
 
+@pytest.fixture(scope="module")
+def at_layouts(tmp_path_factory):
+    return layouts_and_one_process({n: (KL + o, LAYOUTS.get(n, {"pp": 2})) for n, o in CASES.items()},
+                                   tmp_path_factory.mktemp("kl"))
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_kl_at_pp2_equals_one_process(tmp_path, name):
+def test_kl_at_pp2_equals_one_process(at_layouts, name):
     """PP2 (PP2 x vpp2 for the interleaved case) on 2 gloo ranks: 2 RL steps equal the single process's."""
-    single = layout_equals_one_process(KL + CASES[name], tmp_path, LAYOUTS.get(name, {"pp": 2}))
+    single = layout_equals_one_process(*at_layouts[name])
     assert single[0]["kl"] == 0 and single[1]["kl"] > 0 and single[1]["grad_norm"] > 0
 
 
-def layout_equals_one_process(overrides: list[str], tmp_path, layout: dict) -> list[dict]:
-    """2 RL steps of ``overrides`` in one process and at ``layout`` on 2 gloo ranks: the ranks agree and equal the
-    single process (test_loop_layouts' tolerances); the single process's metrics."""
+def layouts_and_one_process(runs: dict[str, tuple[list[str], dict]], root) -> dict[str, tuple[list[dict], list]]:
+    """2 RL steps of every run of ``runs`` (name -> (overrides, layout)) in one process each, and all of them at
+    their layouts in one launch of 2 gloo ranks (a launch costs seconds): name -> (the single process's metrics,
+    each rank's)."""
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
-    state = init_parallel(tp=1, seed=0, device="cpu")
-    try:
-        single = _train(state, overrides, tmp_path / "single")
-    finally:
-        destroy_parallel()
-    ranks = run_distributed(_train, world_size=2, parallel=layout,
-                            args=(overrides + [f"parallel.{k}={v}" for k, v in layout.items()], tmp_path / "layout"),
-                            timeout_s=600)
+    single = {}
+    for name, (overrides, _) in runs.items():
+        state = init_parallel(tp=1, seed=0, device="cpu")
+        try:
+            single[name] = _train(state, overrides, root / "single" / name)
+        finally:
+            destroy_parallel()
+    ranks = run_distributed(train_layouts, world_size=2, timeout_s=900,
+                            args=({n: (layout, o) for n, (o, layout) in runs.items()}, root / "layout"))
+    return {name: (single[name], [r[name] for r in ranks]) for name in runs}
+
+
+def layout_equals_one_process(single: list[dict], ranks: list[list[dict]]) -> list[dict]:
+    """The ranks agree and equal the single process (test_loop_layouts' tolerances); the single process's metrics."""
     assert ranks[0] == ranks[1]
     _close(ranks[0], single)
     return single

@@ -51,15 +51,15 @@ def single(tmp_path_factory):
         destroy_parallel()
 
 
-def _train_layouts(layouts, overrides, root):
-    """Every layout of ``layouts`` (name -> init_parallel's arguments) trained in one launch, its groups laid out
-    again on the same ranks (a launch costs seconds, the run a fraction): name -> this rank's metrics."""
+def train_layouts(runs, root):
+    """Every run of ``runs`` (name -> (init_parallel's arguments, overrides)) trained in one launch, its groups laid
+    out again on the same ranks (a launch costs seconds, the run a fraction): name -> this rank's metrics."""
     import torch.distributed as dist
 
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
     metrics = {}
-    for name, layout in layouts.items():
+    for name, (layout, overrides) in runs.items():
         state = init_parallel(**layout, device="cpu")
         metrics[name] = _train(state, overrides + [f"parallel.{k}={v}" for k, v in layout.items()], root / name)
         destroy_parallel(keep_default_group=True)
@@ -68,9 +68,9 @@ def _train_layouts(layouts, overrides, root):
 
 
 def _launch(tmp_path_factory, layouts, world_size):
-    """(root, per rank {name: metrics}) of ``_train_layouts`` on ``world_size`` ranks; run ``root / name``."""
-    root = tmp_path_factory.mktemp(f"ranks{world_size}")
-    return root, run_distributed(_train_layouts, world_size=world_size, args=(layouts, TINY, root), timeout_s=900)
+    """(root, per rank {name: metrics}) of the shrunk run at every layout on ``world_size`` ranks; run root / name."""
+    root, runs = tmp_path_factory.mktemp(f"ranks{world_size}"), {n: (l, TINY) for n, l in layouts.items()}
+    return root, run_distributed(train_layouts, world_size=world_size, args=(runs, root), timeout_s=900)
 
 
 def _close(got: list[dict], want: list[dict], rel: float = REL, abs_: float = ABS) -> None:
