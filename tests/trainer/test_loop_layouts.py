@@ -67,9 +67,9 @@ def train_layouts(runs, root):
     return metrics
 
 
-def _launch(tmp_path_factory, layouts, world_size):
-    """(root, per rank {name: metrics}) of the shrunk run at every layout on ``world_size`` ranks; run root / name."""
-    root, runs = tmp_path_factory.mktemp(f"ranks{world_size}"), {n: (l, TINY) for n, l in layouts.items()}
+def _launch(tmp_path_factory, runs, world_size):
+    """(root, per rank {name: metrics}) of ``train_layouts(runs)`` on ``world_size`` ranks; run root / name."""
+    root = tmp_path_factory.mktemp(f"ranks{world_size}")
     return root, run_distributed(train_layouts, world_size=world_size, args=(runs, root), timeout_s=900)
 
 
@@ -88,7 +88,10 @@ LAYOUTS = {"dp2": {"tp": 1}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2_ulysses": 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return _launch(tmp_path_factory, LAYOUTS, 2)
+    """Every 2-rank run of this file in one launch: the shrunk run at LAYOUTS, LoRA at TP2, 4 blocks at PP2 x vpp2."""
+    runs = {**{n: (layout, TINY) for n, layout in LAYOUTS.items()}, "lora_tp2": ({"tp": 2}, LORA),
+            "pp2_vpp2": ({"pp": 2, "vpp": 2}, FOUR_BLOCKS)}
+    return _launch(tmp_path_factory, runs, 2)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -182,7 +185,7 @@ FOUR_RANKS = {"tp2_pp2": {"tp": 2, "pp": 2}, "dp2_tp2": {"tp": 2}, "cp2_ulysses_
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return _launch(tmp_path_factory, FOUR_RANKS, 4)
+    return _launch(tmp_path_factory, {n: (layout, TINY) for n, layout in FOUR_RANKS.items()}, 4)
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
@@ -194,39 +197,38 @@ def test_loop_on_four_ranks_equals_one_process(single, four_ranks, name):
     _close(ranks[0], single)
 
 
-def test_lora_loop_at_tp2_equals_one_process(tmp_path):
+LORA = TINY + ["lora.rank=4", "lora.alpha=8", "train.lr=1e-3"]
+FOUR_BLOCKS = [o for o in TINY if not o.startswith("model.arch.num_layers")] + ["model.arch.num_layers=4"]
+
+
+def test_lora_loop_at_tp2_equals_one_process(two_ranks, tmp_path):
     """LoRA at TP=2: the adapters' split matrices (B of a column-parallel linear, A of a row-parallel one) carry
     megatron's TP attributes, so the gradient norm counts every rank's shard (it was TP rank 0's alone: 2.23e-4
     against 2.58e-4 on a tiny SD3 run)."""
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
-    lora = TINY + ["lora.rank=4", "lora.alpha=8", "train.lr=1e-3"]
     state = init_parallel(tp=1, seed=0, device="cpu")
     try:
-        single = _train(state, lora, tmp_path / "single")
+        single = _train(state, LORA, tmp_path / "single")
     finally:
         destroy_parallel()
-    ranks = run_distributed(_train, world_size=2, parallel={"tp": 2}, args=(lora + ["parallel.tp=2"], tmp_path / "tp2"),
-                            timeout_s=600)
+    ranks = [r["lora_tp2"] for r in two_ranks[1]]
     assert ranks[0] == ranks[1] and single[0]["grad_norm"] > 0
     _close(ranks[0], single)
 
 
-def test_loop_at_pp2_vpp2_equals_one_process(tmp_path):
+def test_loop_at_pp2_vpp2_equals_one_process(two_ranks, tmp_path):
     """Interleaved PP (vpp=2): 4 blocks in 4 chunks, 2 per rank (megatron's chunk order); the interleaved schedule
     gets its fixed stage-boundary shape from the first stage (Run.boundary_shape), the weight export reads every
     chunk (each stage's, chunk by chunk), and the last step's checkpoint holds both chunks of each rank."""
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
-    four = [o for o in TINY if not o.startswith("model.arch.num_layers")] + ["model.arch.num_layers=4"]
     state = init_parallel(tp=1, seed=0, device="cpu")
     try:
-        single = _train(state, four, tmp_path / "single")
+        single = _train(state, FOUR_BLOCKS, tmp_path / "single")
     finally:
         destroy_parallel()
-    out = tmp_path / "vpp"
-    ranks = run_distributed(_train, world_size=2, parallel={"pp": 2, "vpp": 2},
-                            args=(four + ["parallel.pp=2", "parallel.vpp=2"], out), timeout_s=600)
+    out, ranks = two_ranks[0] / "pp2_vpp2", [r["pp2_vpp2"] for r in two_ranks[1]]
     assert ranks[0] == ranks[1] and single[1]["grad_norm"] > 0
     _close(ranks[0], single)
     assert (out / "checkpoints" / "latest").read_text().strip() == "1"
