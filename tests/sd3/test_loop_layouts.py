@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_omni.parallel.testing import run_distributed
-from tests.trainer.test_loop_layouts import ABS, REL, TIMING
+from tests.trainer.test_loop_layouts import ABS, REL, TIMING, train_layouts
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]  # slow: not rerun under avx2 (make test)
 
@@ -48,13 +48,18 @@ def folder_and_single(tmp_path_factory):
     return overrides, single
 
 
+@pytest.fixture(scope="module")
+def two_ranks(folder_and_single, tmp_path_factory):
+    """Both layouts in one launch of 2 gloo ranks: per rank {name: metrics}."""
+    runs = {name: (layout, folder_and_single[0]) for name, layout in LAYOUTS.items()}
+    return run_distributed(train_layouts, world_size=2, timeout_s=900,
+                           args=(runs, tmp_path_factory.mktemp("sd3_ranks")), kwargs={"train": _train_sd3})
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_sd3_recipe_at_two_ranks_equals_one_process(folder_and_single, tmp_path, name):
-    overrides, single = folder_and_single
-    layout = LAYOUTS[name]
-    ranks = run_distributed(_train_sd3, world_size=2, parallel=layout,
-                            args=(overrides + [f"parallel.{k}={v}" for k, v in layout.items()], tmp_path / name),
-                            timeout_s=600)
+def test_sd3_recipe_at_two_ranks_equals_one_process(folder_and_single, two_ranks, name):
+    single = folder_and_single[1]
+    ranks = [r[name] for r in two_ranks]
     assert ranks[0] == ranks[1] and [m["step"] for m in ranks[0]] == [0]
     assert ranks[0][0].keys() == single[0].keys()
     for key in single[0]:

@@ -51,9 +51,10 @@ def single(tmp_path_factory):
         destroy_parallel()
 
 
-def train_layouts(runs, root):
-    """Every run of ``runs`` (name -> (init_parallel's arguments, overrides)) trained in one launch, its groups laid
-    out again on the same ranks (a launch costs seconds, the run a fraction): name -> this rank's metrics."""
+def train_layouts(runs, root, train=_train):
+    """Every run of ``runs`` (name -> (init_parallel's arguments, overrides)) trained by ``train`` in one launch, its
+    groups laid out again on the same ranks (a launch costs seconds, the run a fraction): name -> this rank's
+    metrics."""
     import torch.distributed as dist
 
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
@@ -61,7 +62,7 @@ def train_layouts(runs, root):
     metrics = {}
     for name, (layout, overrides) in runs.items():
         state = init_parallel(**layout, device="cpu")
-        metrics[name] = _train(state, overrides + [f"parallel.{k}={v}" for k, v in layout.items()], root / name)
+        metrics[name] = train(state, overrides + [f"parallel.{k}={v}" for k, v in layout.items()], root / name)
         destroy_parallel(keep_default_group=True)
     dist.destroy_process_group()
     return metrics
