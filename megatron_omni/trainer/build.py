@@ -94,22 +94,29 @@ class Run:
                              f"(train.micro_batch_size dividing every pass's pairs), or parallel.vpp=null")
         return box[0][0]
 
-    def rollout(self, requests: list) -> tuple[list[Trajectory], torch.Tensor | None, list]:
+    def rollout(self, requests: list, clock: Callable | None = None) -> tuple[list[Trajectory], torch.Tensor | None,
+                                                                              list]:
         """Trajectories, decoded images (None when no reward reads images) and pending reward futures.  Two halves
         (whole groups each): the first is scored in reward threads while the second is sampled, the second while
-        the trainer checks log-probs.  With ``rollout.trajectories_on=host`` the trajectories wait in host memory."""
-        r = self.cfg.rollout
+        the trainer checks log-probs.  With ``rollout.trajectories_on=host`` the trajectories wait in host memory.
+        ``clock`` (the loop's ``StepClock``) times the parts: ``sampling`` (the engine's generate, its text encoding
+        included, to the device's last kernel) and ``scoring`` (the VAE decode and the reward submission)."""
+        r, device = self.cfg.rollout, self.policy.state.torch_device
         half = (r.prompts_per_step // 2 or r.prompts_per_step) * r.group_size
         trajs, pending, images = [], [], []
+        clock = clock or (lambda part: contextlib.nullcontext())
         for part in (requests[:half], requests[half:]):
             if not part:
                 continue
-            part_trajs = self.engine.generate(part)
-            if r.trajectories_on == "host":  # (pinned for asynchronous copies back when the device is a GPU)
-                pin = self.policy.state.torch_device.type == "cuda"
-                part_trajs = [to_host(t, pin) for t in part_trajs]
-            part_images, future = self.score(part_trajs)
-            pending.append(future)
+            with clock("sampling"):
+                part_trajs = self.engine.generate(part)
+                if r.trajectories_on == "host":  # (pinned for asynchronous copies back when the device is a GPU)
+                    part_trajs = [to_host(t, device.type == "cuda") for t in part_trajs]
+                if device.type != "cpu":  # (the decode's host copy waits for the same kernels anyway)
+                    getattr(torch, device.type).synchronize()
+            with clock("scoring"):
+                part_images, future = self.score(part_trajs)
+                pending.append(future)
             trajs += part_trajs
             images.append(part_images)
         return trajs, None if images[0] is None else torch.cat(images), pending

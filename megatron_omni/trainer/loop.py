@@ -23,7 +23,7 @@ from megatron_omni.trainer.preemption import Preempted, StopSignals
 
 
 class StepClock:
-    """Seconds per phase of one RL step, as ``<phase>_seconds`` metrics."""
+    """Seconds per phase of one RL step, as ``<phase>_seconds`` metrics (a phase timed twice: the sum)."""
 
     def __init__(self):
         self.start, self.seconds = time.perf_counter(), {}
@@ -32,7 +32,8 @@ class StepClock:
     def __call__(self, phase: str):
         t0 = time.perf_counter()
         yield
-        self.seconds[f"{phase}_seconds"] = time.perf_counter() - t0
+        key = f"{phase}_seconds"
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
     def total(self) -> float:
         return time.perf_counter() - self.start
@@ -45,7 +46,8 @@ def rl_step(run: Run, step: int) -> dict[str, Any]:
     requests = algo.requests(run, step)
     bounds = shard_bounds(requests, state.dp, state.dp_rank)
     with clock("rollout"):
-        trajs, images, pending = run.rollout(requests[bounds[0]:bounds[1]])
+        trajs, images, pending = run.rollout(requests[bounds[0]:bounds[1]],
+                                             clock=lambda part: clock(f"rollout_{part}"))
     with clock("reward"):
         text = run.text_for(trajs)
         check = algo.check(run, trajs, text)  # while the reward threads score the second half

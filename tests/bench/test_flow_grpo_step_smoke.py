@@ -21,9 +21,16 @@ def test_smoke_prints_the_table():
     # the loop's own phases (rl_step's <phase>_seconds), its step_seconds end to end, and the reference beside it
     rows = {(m.group(1).strip(), m.group(2).strip()) for m in re.finditer(r"^│ ([^│]+)│ ([^│]+)│", text, re.M)}
     ours = "ours: megatron-omni train's rl_step (eager)"
-    for phase in ("rollout", "reward", "train", "sync", "DiT side: rollout + train + sync",
+    for phase in ("rollout", "rollout_sampling", "rollout_scoring", "reward", "train", "sync",
+                  "DiT side: sampling + train + sync", "rollout (decode incl.) + train + sync",
                   "end to end: the loop's step_seconds"):
         assert (ours, phase) in rows, (phase, sorted(rows))
+    # the rollout's parts (the engine's sampling, then the decode and the reward submission) lie inside it
+    secs = {m.group(1).strip(): float(m.group(2)) for m in re.finditer(
+        r"^│ ours: megatron-omni train's rl_step \(eager\)\s*│ ([^│]+)│\s*([0-9.]+)", text, re.M)}
+    assert 0 < secs["rollout_sampling"] and 0 < secs["rollout_scoring"], secs
+    assert secs["rollout_sampling"] + secs["rollout_scoring"] <= secs["rollout"] + 1e-3, secs
+    assert secs["DiT side: sampling + train + sync"] < secs["rollout (decode incl.) + train + sync"], secs
     for phase in ("rollout", "train", "DiT side: rollout + train"):
         assert ("reference (diffusers + peft)", phase) in rows, phase
     assert ("ours / reference", "DiT-side speed-up") in rows
