@@ -22,6 +22,12 @@ from megatron_omni.trainer.mfu import device_peak_flops
 from megatron_omni.trainer.preemption import Preempted, StopSignals
 
 
+# the metrics of a step that measure its time, not its numbers (left out wherever two runs' metrics are compared)
+TIMING_METRICS = frozenset({"rollout_seconds", "rollout_sampling_seconds", "rollout_scoring_seconds",
+                            "reward_seconds", "train_seconds", "sync_seconds", "step_seconds", "images_per_second",
+                            "tflops_per_second", "mfu"})
+
+
 class StepClock:
     """Seconds per phase of one RL step, as ``<phase>_seconds`` metrics (a phase timed twice: the sum)."""
 

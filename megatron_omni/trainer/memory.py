@@ -64,10 +64,23 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
+# (family, arch, dtype, backend, LoRA rank, alpha, targets) -> _counts: a run's start-up estimates (the engine's
+# layout, the adapters' merge) count one model once
+_COUNTS: dict[tuple, tuple[int, int, int, int, int]] = {}
+
+
 def _counts(cfg, state=None) -> tuple[int, int, int, int, int]:
     """(parameters of the blocks' TP-split linears, of the blocks otherwise, outside the blocks, LoRA adapters, the
     adapted linears' base weights) of the denoiser at TP=1, counted on the meta device (under a single-process
-    group when none is up)."""
+    group when none is up) once per model and LoRA."""
+    key = (cfg.model.family, repr(cfg.model.arch), str(cfg.model.torch_dtype), cfg.model.backend, cfg.lora.rank,
+           cfg.lora.alpha, repr(cfg.lora_targets))  # (an arch is an unhashable dataclass: its repr)
+    if key not in _COUNTS:
+        _COUNTS[key] = _count_parameters(cfg, state)
+    return _COUNTS[key]
+
+
+def _count_parameters(cfg, state) -> tuple[int, int, int, int, int]:
     import torch.distributed as dist
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_omni.algorithms import algorithm_names
 from megatron_omni.parallel.testing import run_distributed
+from megatron_omni.trainer.loop import TIMING_METRICS as TIMING
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]  # slow: not rerun under avx2 (make test)
 
@@ -21,8 +22,6 @@ TINY = ["train.steps=2", "train.save_every=0", "train.micro_batch_size=8", "trai
 # swapped in for a forward-only pass of the schedule (the full fine-tune's; LoRA's adapters-off in test_lora / runs)
 OWN = {"diffusion_nft": ["algorithm.diffusion_nft.timesteps_per_sample=2", "algorithm.diffusion_nft.old_policy=ema",
                          "algorithm.diffusion_nft.ema_decay=0.5"]}
-TIMING = ("rollout_seconds", "reward_seconds", "train_seconds", "sync_seconds", "step_seconds", "images_per_second",
-          "tflops_per_second", "mfu")
 
 
 def _every_algorithm(state, names, root):

@@ -7,10 +7,8 @@ import torch
 
 from megatron_omni.config import load_config
 from megatron_omni.data.tasks import build_task
-from megatron_omni.trainer.loop import train
+from megatron_omni.trainer.loop import TIMING_METRICS as TIMING, train
 
-TIMING = ("rollout_seconds", "reward_seconds", "train_seconds", "sync_seconds", "step_seconds", "images_per_second",
-          "tflops_per_second", "mfu")
 TINY = ["train.steps=4", "train.save_every=2", "train.micro_batch_size=8", "train.global_batch_size=8",
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.num_steps=4", "rollout.window_size=2",
         "algorithm.logprob_check_samples=4", "logging.wandb_mode=disabled", "model.arch.num_layers=2"]

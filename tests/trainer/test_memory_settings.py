@@ -11,6 +11,7 @@ import torch
 
 from megatron_omni.config import load_config
 from megatron_omni.config.schema import ConfigError
+from megatron_omni.trainer.loop import TIMING_METRICS as TIMING
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -18,8 +19,6 @@ TINY = ["train.steps=2", "train.save_every=0", "train.micro_batch_size=4", "trai
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.num_steps=4", "rollout.window_size=2",
         "algorithm.logprob_check_samples=4", "logging.wandb_mode=disabled", "model.arch.num_layers=4",
         "reward.workers=1"]
-TIMING = ("rollout_seconds", "reward_seconds", "train_seconds", "sync_seconds", "step_seconds", "images_per_second",
-          "tflops_per_second", "mfu")
 
 
 def _blocks_grads(single_rank, recompute: str, num_layers: int = 1):
