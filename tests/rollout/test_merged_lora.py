@@ -285,33 +285,3 @@ def test_sd3_merged_forward_is_the_separate_one(single_rank, low_rank_calls):
     assert low_rank_calls == []
     rel = (merged - separate).norm() / separate.norm()
     assert 0 < rel < 1e-5, rel
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fp8_on", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="FP8 GEMMs need compute capability 8.9+"))], ids=["bf16", "fp8"])
-def test_merged_forward_on_gpu(single_rank, fp8_on):
-    """On a GPU in bf16 (the fused inference paths' CUDA kernels; with FP8 ``torch._scaled_mm`` and the row kernel's
-    weight quantization): the merged forward stays within bf16's (FP8's) rounding of the separate one."""
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = QwenImageModel(ARCH, ARCH.transformer_config(1, params_dtype=torch.bfloat16), single_rank.tp_group)
-    apply_lora(m, 4, 8.0, FLOW_GRPO_TARGETS, qwen_image_rules(ARCH), seed=0)
-    m = m.cuda().to(torch.bfloat16).eval()
-    for lora in lora_modules(m).values():
-        with torch.no_grad():
-            lora.lora_B.normal_(std=0.05)
-    inputs = [t.cuda().to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-              for t in _inputs(batch=16)]  # 256 image rows: FP8's MIN_ROWS
-    enable_fp8(m, fp8_on)
-    fuse_inference(m)
-    with torch.no_grad():
-        separate = m(*inputs).float()
-    merge_adapters(m)
-    fuse_inference(m)
-    with torch.no_grad():
-        merged = m(*inputs).float()
-    rel = float((merged - separate).norm() / separate.norm())
-    assert 0 < rel < (3e-2 if fp8_on else 1e-2), rel
