@@ -64,14 +64,12 @@ import torch  # noqa: E402
 
 import megatron_omni  # noqa: E402,F401  (quiet upstream notices)
 from _flow_grpo_parts import Recipe, free_device_memory, make_recipe, medians, peak_gib, phase_flops  # noqa: E402
+from megatron_omni.bench import PHASES, time_steps  # noqa: E402
 from megatron_omni.trainer.mfu import device_peak_flops  # noqa: E402
 
 RECIPE = "qwen_image_flow_grpo"
-# megatron_omni.trainer.loop.rl_step's <phase>_seconds; rollout = rollout_sampling + rollout_scoring (+ host work)
-PHASES = ("rollout", "rollout_sampling", "rollout_scoring", "reward", "train", "sync")
-# the DiT's work: the engine's sampling (to its last kernel), training and the weight sync -- not the VAE decode and
-# the reward submission (rollout_scoring), as docs/benchmarks.md's peer loop excludes the VAE and the reward
-DIT_PHASES = ("rollout_sampling", "train", "sync")
+# the DiT side as recorded up to 2026-12-02: the whole rollout (the VAE decode and the reward submission in it)
+DIT_WITH_DECODE_PHASES = ("rollout", "train", "sync")
 WINDOW, NUM_STEPS, GUIDANCE, LORA_RANK, LORA_ALPHA = 2, 10, 4.0, 64, 128
 SMOKE_SIZE, SMOKE_GROUP = 64, 4
 
@@ -196,23 +194,16 @@ def run_ours(cfg, steps: int, warmup: int, profile: bool) -> tuple[LoopResult, d
         loaded = time.perf_counter()
         run, first = build_run(cfg, state, task, Path(cfg.train.output_dir), resume=False)
         built = time.perf_counter()
-        timed, warm = [], []
-        for step in range(first, first + warmup + steps):  # the warm-up steps compile (static, then dynamic)
-            metrics = rl_step(run, step)["metrics"]
-            print(f"ours step {step}: {metrics['step_seconds']:.2f} s", flush=True)
-            if step < first + warmup:
-                warm.append(metrics["step_seconds"])
-                continue
-            metrics["dit_seconds"] = sum(metrics[f"{p}_seconds"] for p in DIT_PHASES)
-            metrics["dit_with_decode_seconds"] = sum(metrics[f"{p}_seconds"] for p in ("rollout", "train", "sync"))
-            metrics["step_flops"] = metrics["tflops_per_second"] * 1e12 * metrics["step_seconds"]
-            timed.append(metrics)
-        keys = [k for k in timed[0] if isinstance(timed[0][k], (int, float))]
-        result.metrics, result.last = medians([{k: float(m[k]) for k in keys} for m in timed]), timed[-1]
+        # the warm-up steps compile (static, then dynamic)
+        timing = time_steps(run, first, warmup, steps,
+                            report=lambda step, m: print(f"ours step {step}: {m['step_seconds']:.2f} s", flush=True))
+        warm, timed = timing["warmup"], timing["steps"]
+        result.metrics, result.last = timing["medians"], timed[-1]
+        with_decode = statistics.median(sum(m[f"{p}_seconds"] for p in DIT_WITH_DECODE_PHASES) for m in timed)
         result.seconds = {p: result.metrics[f"{p}_seconds"] for p in PHASES}
         result.seconds.update(dit=result.metrics["dit_seconds"], e2e=result.metrics["step_seconds"],
-                              dit_with_decode=result.metrics["dit_with_decode_seconds"])
-        result.flops = result.metrics["step_flops"]
+                              dit_with_decode=with_decode)
+        result.flops = result.metrics["step_tflop"] * 1e12
         trainable = sum(p.numel() for p in run.policy.module.parameters() if p.requires_grad)
         result.notes.append(f"ours ready in {built - start:.1f} s: the task (text encoder, VAE: data.task=pipeline) "
                             f"{loaded - start:.1f} s, build_run {built - loaded:.1f} s (policy with LoRA "

@@ -4,9 +4,9 @@
     megatron-omni convert {hf-to-mcore,mcore-to-hf} ...   (checkpoints_convert.cli)
     megatron-omni demo [...]                              (megatron_omni.demo: the main job)
     megatron-omni generate --model DIR --prompts FILE --out DIR   (megatron_omni.generate)
-    megatron-omni bench                                   (not built yet)
+    megatron-omni bench --recipe NAME [--steps 3] [--warmup 2] [--json FILE] [a.b=c ...]   (megatron_omni.bench)
 
-``convert``, ``demo``, ``export`` and ``generate`` hand their arguments, ``--help`` included, to the module
+``convert``, ``demo``, ``export``, ``generate`` and ``bench`` hand their arguments, ``--help`` included, to the module
 that implements them; it is imported only then, so the other subcommands do not pay for its imports.
 """
 import argparse
@@ -17,11 +17,11 @@ from typing import Optional, Sequence
 from megatron_omni.config import ConfigError, config_to_yaml, load_config, recipe_names
 
 PROG = "megatron-omni"
-EXIT_USAGE = 2  # argparse's code for a command line that cannot run: bad config, command not built yet
+EXIT_USAGE = 2  # argparse's code for a command line that cannot run: a bad config
 
 # subcommand -> module whose main(argv) -> int receives the rest of the command line
 FORWARDED = {"convert": "checkpoints_convert.cli", "demo": "megatron_omni.demo", "export": "megatron_omni.export",
-             "generate": "megatron_omni.generate"}
+             "generate": "megatron_omni.generate", "bench": "megatron_omni.bench"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -54,10 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("generate", add_help=False, help="sample one PNG per prompt line from a pipeline folder, "
                    "optionally with a LoRA folder or a checkpoint (--model DIR --prompts FILE --out DIR [--lora DIR | "
                    "--checkpoint DIR]; torchrun: data parallel)")
-    what = "measure rollout and training throughput"
-    p = sub.add_parser("bench", help=f"{what} (not built yet)",
-                       description=f"{what}. Not built yet: this command exits with code {EXIT_USAGE}.")
-    p.set_defaults(handler=_not_built)
+    sub.add_parser("bench", add_help=False, help="time a run config's RL step as train runs it: the loop's phases, the "
+                   "DiT side and end to end, images/s, TFLOP/s and MFU (--recipe NAME [--steps 3] [--warmup 2] "
+                   "[--json FILE] [KEY=VALUE ...])")
     return parser
 
 
@@ -131,11 +130,6 @@ def _estimate_memory(cfg, args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(est.table(device))
     return 0
-
-
-def _not_built(args: argparse.Namespace) -> int:
-    _error(args.command, "not built yet; nothing was run")
-    return EXIT_USAGE
 
 
 def _forward(command: str, argv: list[str]) -> int:

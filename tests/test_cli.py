@@ -1,4 +1,6 @@
 """`megatron-omni`: run in-process through main([...]), and once as `python -m megatron_omni.cli`."""
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ def test_module_entry_point_help_subprocess():
 @pytest.mark.parametrize("argv, expected", [
     (["train", "--help"], "--print-config"),
     (["generate", "--help"], "--checkpoint"),  # forwarded to megatron_omni.generate
-    (["bench", "--help"], "Not built yet"),
+    (["bench", "--help"], "--warmup WARMUP"),  # forwarded to megatron_omni.bench
     (["convert", "--help"], "hf-to-mcore"),  # forwarded to checkpoints_convert.cli
     (["convert", "hf-to-mcore", "--help"], "--tp"),
 ])
@@ -45,10 +47,38 @@ def test_train_refuses_a_model_that_does_not_fit_the_task(capsys):
     assert "task 'digits' has 4 packed latent channels" in err and "takes and predicts 64" in err
 
 
-@pytest.mark.parametrize("command", ["bench"])
-def test_not_built_commands_exit_2(capsys, command):
-    assert cli.main([command]) == 2
-    assert capsys.readouterr().err == f"megatron-omni {command}: error: not built yet; nothing was run\n"
+def test_bench_times_the_digits_step(capsys, tmp_path):
+    """One bench run (the module's only one): the JSON's medians and the printed table agree on the phases."""
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--recipe", "digits_flow_grpo", "model.arch.num_layers=2", "--steps", "1", "--warmup", "0",
+            "--json", str(path)]
+    assert cli.main(argv) == 0
+    m = json.loads(path.read_text())["medians"]
+    # the DiT side (rollout_sampling + train + sync) leaves out the scoring and the reward wait of the step
+    assert 0 < m["dit_seconds"] < m["step_seconds"], m
+    assert m["dit_seconds"] == pytest.approx(m["rollout_sampling_seconds"] + m["train_seconds"] + m["sync_seconds"])
+    # the rollout's parts are timed inside it
+    assert m["rollout_sampling_seconds"] + m["rollout_scoring_seconds"] <= m["rollout_seconds"] + 1e-6, m
+    assert m["step_tflop"] > 0 and m["dit_images_per_second"] > m["images_per_second"] > 0, m
+    out = capsys.readouterr().out
+    rows = {r.strip(): float(s) for r, s in re.findall(r"^│ ([^│]+)│\s*([0-9.]+) │", out, re.M)}
+    for phase in ("rollout", "rollout_sampling", "rollout_scoring", "reward", "train", "sync", "DiT side",
+                  "end to end"):
+        assert phase in rows, (phase, out)
+    assert rows["DiT side"] == pytest.approx(m["dit_seconds"], abs=1e-3)
+    assert "megatron-omni bench: digits_flow_grpo" in out and "DiT side = rollout_sampling + train + sync" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--recipe", "digits_flow_grpo", "--steps", "0"], "--steps 0: expected an integer >= 1"),
+    (["--recipe", "digits_flow_grpo", "--warmup", "-1"], "--warmup -1: expected an integer >= 0"),
+    (["--steps", "1"], "give --recipe NAME and/or --config FILE.yaml (recipes: "),
+    (["--recipe", "nope"], "argument --recipe: invalid choice: 'nope'"),
+])
+def test_bench_bad_input_is_a_usage_error(capsys, argv, expected):
+    assert cli.main(["bench", *argv]) == 2
+    captured = capsys.readouterr()
+    assert expected in captured.err and captured.out == "", captured
 
 
 def test_bad_override_clean_message(capsys):
