@@ -36,20 +36,15 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from model_specs.common.block_runner import BlockRunner, run_blocks
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# the modes whose graphs inductor replays as CUDA graphs (its CUDA graph trees)
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 # shapes x grad modes x LoRA on/off the blocks of one run see; dynamo falls back to eager past this
 RECOMPILE_LIMIT = 64
 # consecutive blocks per compiled graph (model_specs.common.block_runner: more than one measured no faster on an H200)
 BLOCKS_PER_GRAPH = 1
 
 
-def compile_blocks(model: torch.nn.Module, mode: str, blocks_per_graph: int | None = None,
-                   step_marks: bool = False) -> None:
+def compile_blocks(model: torch.nn.Module, mode: str, blocks_per_graph: int | None = None) -> None:
     """``model.blocks`` under ``torch.compile(mode=mode, dynamic=None)``, ``blocks_per_graph`` consecutive blocks
-    per graph (None: ``BLOCKS_PER_GRAPH``), in place: the model's ``block_runner`` is replaced.  ``step_marks``
-    (CUDA graph modes only): every forward of the blocks starts a new CUDA graph tree iteration (``BlockRunner``:
-    for a caller whose forwards are each followed by their backward)."""
+    per graph (None: ``BLOCKS_PER_GRAPH``), in place: the model's ``block_runner`` is replaced."""
     if mode not in MODES:
         raise ValueError(f"compile mode {mode!r}; expected one of {MODES}")
     blocks = getattr(model, "blocks", None)
@@ -58,8 +53,7 @@ def compile_blocks(model: torch.nn.Module, mode: str, blocks_per_graph: int | No
                          f"(model_specs.common.block_runner)")
     runner = BlockRunner(torch.compile(run_blocks, mode=mode, dynamic=None),
                          BLOCKS_PER_GRAPH if blocks_per_graph is None else blocks_per_graph,
-                         recompute_layers=model.block_runner.recompute_layers,  # (activation recompute kept)
-                         step_marks=step_marks and mode in CUDA_GRAPH_MODES)
+                         recompute_layers=model.block_runner.recompute_layers)  # (activation recompute kept)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING" not in os.environ:  # (an explicit setting wins)
         torch._inductor.config.coordinate_descent_tuning = True

@@ -516,12 +516,6 @@ class RunConfig:
 
     def _validate_split(self) -> None:
         p = self.parallel
-        from megatron_omni.compile import CUDA_GRAPH_MODES
-
-        if self.train.compile in CUDA_GRAPH_MODES and p.pp > 1:
-            raise ConfigError(f"train.compile: {self.train.compile!r} replays CUDA graphs, which a pipelined schedule "
-                              f"(parallel.pp={p.pp}: several micro-batches' forwards before their backwards) cannot; "
-                              f"expected parallel.pp=1 or train.compile 'default' / 'max-autotune-no-cudagraphs'")
         if self.sync.engine_placement != "in_process" and self.rollout.engine_parallel in ("tp", "tp_cp"):
             raise ConfigError(f"rollout.engine_parallel: {self.rollout.engine_parallel} lays out the in-process "
                               f"engine over the trainer's groups; with sync.engine_placement="

@@ -18,7 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from model_specs.common.recompute import apply_recompute, recompute_config
 from model_specs.family import family_of
-from megatron_omni.compile import CUDA_GRAPH_MODES, compile_blocks
+from megatron_omni.compile import compile_blocks
 from megatron_omni.parallel.cpu_compat import cuda_factories_on_cpu
 from megatron_omni.parallel.mcore_fallbacks import use_fast_fallbacks
 from megatron_omni.parallel.pipeline import stage_layers
@@ -117,17 +117,9 @@ def build_policy(arch, state: ParallelState, *, lr: float, weight_decay: float =
 def compile_policy(policy: Policy, mode: str, blocks_per_graph: int | None = None) -> None:
     """Every block of every chunk of this rank under torch.compile (``megatron_omni.compile``; ``blocks_per_graph``
     None: its default); DDP's grad hooks sit on the parameters, outside the compiled graphs, so they fire as in
-    eager mode.  Under a CUDA graph mode each forward of the blocks starts a CUDA graph tree iteration: without
-    pipelining every micro-batch's forward is followed by its backward, so its graphs' memory is free again at
-    the next forward; a pipelined schedule keeps several forwards pending, which the trees cannot replay."""
-    modules = policy.modules or [policy.module]
-    if mode in CUDA_GRAPH_MODES and (policy.state.pp > 1 or len(modules) > 1):
-        raise ValueError(f"train.compile: {mode!r} (CUDA graphs) with pp={policy.state.pp}, {len(modules)} "
-                         f"chunk(s): a pipelined schedule runs several micro-batches' forwards before their "
-                         f"backwards, which CUDA graph trees do not replay; expected pp=1 or a mode without CUDA "
-                         f"graphs ('default', 'max-autotune-no-cudagraphs')")
-    for module in modules:
-        compile_blocks(module, mode, blocks_per_graph, step_marks=True)
+    eager mode."""
+    for module in policy.modules or [policy.module]:
+        compile_blocks(module, mode, blocks_per_graph)
 
 
 def run_microbatches(policy: Policy, forward_step_func, microbatches: list, forward_only: bool = False,

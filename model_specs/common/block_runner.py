@@ -27,26 +27,20 @@ def run_blocks(blocks: Sequence[torch.nn.Module], hidden: torch.Tensor, cond, mo
 class BlockRunner:
     """``per_call`` consecutive blocks per call of ``fn`` (``run_blocks`` or a compiled ``run_blocks``).
     ``recompute_layers``: with grad enabled, every that many consecutive blocks keep only their input and run
-    again in the backward (activation recompute: ``model_specs.common.recompute``); None keeps everything.
-    ``step_marks``: each call (one forward of all the blocks) starts a new iteration of torch.compile's CUDA graph
-    trees (``torch.compiler.cudagraph_mark_step_begin``): the caller promises that the previous call's outputs
-    and its backward are done with, as they are when every forward is followed by its backward (no pipelining)."""
+    again in the backward (activation recompute: ``model_specs.common.recompute``); None keeps everything."""
 
-    def __init__(self, fn: Callable = run_blocks, per_call: int = 1, recompute_layers: int | None = None,
-                 step_marks: bool = False):
+    def __init__(self, fn: Callable = run_blocks, per_call: int = 1, recompute_layers: int | None = None):
         for what, value in (("blocks per call", per_call), ("recompute layers", recompute_layers)):
             if what == "recompute layers" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what} {value!r}; expected an integer >= 1")
-        self.fn, self.per_call, self.recompute_layers, self.step_marks = fn, per_call, recompute_layers, step_marks
+        self.fn, self.per_call, self.recompute_layers = fn, per_call, recompute_layers
 
     def __call__(self, blocks: Sequence[torch.nn.Module], hidden: torch.Tensor, cond,
                  modulations: Sequence) -> torch.Tensor:
         if len(modulations) != len(blocks):
             raise ValueError(f"{len(modulations)} modulations for {len(blocks)} blocks; expected one per block")
-        if self.step_marks:
-            torch.compiler.cudagraph_mark_step_begin()
         if self.recompute_layers is None or not torch.is_grad_enabled():
             return self._run(blocks, hidden, cond, modulations)
         n = self.recompute_layers

@@ -102,28 +102,6 @@ def test_compile_mode_is_checked():
     assert load_config(overrides=["rollout.compile=default"]).rollout.compile == "default"
 
 
-def test_cuda_graph_modes_mark_a_step_per_forward(monkeypatch, single_rank):
-    """Under a CUDA graph mode the policy's blocks start one CUDA graph tree iteration per forward of all the
-    blocks (not per slice); other modes and the rollout's compile mark nothing; a pipelined layout refuses it."""
-    marks = []
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
-    blocks = [lambda h, cond, m, k=k: h * 10 + k for k in range(1, 5)]
-    assert BlockRunner(per_call=2, step_marks=True)(blocks, 0, None, [None] * 4) == 1234
-    assert marks == [1]
-    BlockRunner(per_call=2)(blocks, 0, None, [None] * 4)
-    assert marks == [1]
-    arch = tiny_config(num_layers=2)
-    for mode, marked in (("reduce-overhead", True), ("max-autotune", True), ("default", False)):
-        model = _lora_model(arch, single_rank.tp_group)
-        compile_blocks(model, mode)
-        assert model.block_runner.step_marks is False, mode  # the rollout's: no step promise
-        compile_blocks(model, mode, step_marks=True)
-        assert model.block_runner.step_marks is marked, mode
-    with pytest.raises(ConfigError, match=r"train.compile: 'reduce-overhead' replays CUDA graphs.*parallel.pp=2"):
-        load_config(overrides=["train.compile=reduce-overhead", "parallel.pp=2"])
-    assert load_config(overrides=["train.compile=reduce-overhead"]).train.compile == "reduce-overhead"
-
-
 def test_compile_switches_on_coordinate_descent_tuning(monkeypatch):
     """compile_blocks turns on inductor's tuning of its Triton kernels, unless the environment sets it."""
     import torch._inductor.config as inductor
