@@ -304,7 +304,9 @@ def print_table(cfg, results: list[LoopResult], steps: int, notes: list[str], sm
     from rich.console import Console
     from rich.table import Table
 
-    peak = device_peak_flops(cfg.model.torch_dtype)
+    q = cfg.parallel
+    peak = device_peak_flops(cfg.model.torch_dtype)  # per device: a replica's FLOPs over its tp x cp x pp devices
+    peak = peak * q.tp * q.cp * q.pp if peak else None
     device = torch.cuda.get_device_name() if cfg.parallel.device != "cpu" and torch.cuda.is_available() \
         else "CPU (smoke: times mean nothing)"
     r = cfg.rollout

@@ -18,7 +18,8 @@ from megatron_omni.parallel.state import ParallelState
 from megatron_omni.trainer.build import Run, build_run, scores_of
 from megatron_omni.trainer.data_parallel import gather_scores, mean_over_dp, shard_bounds, step_advantages
 from megatron_omni.trainer.evaluate import evaluate
-from megatron_omni.trainer.mfu import device_peak_flops
+from megatron_omni.trainer.mfu import device_peak_flops, replica_devices
+from megatron_omni.trainer.mfu import utilisation as mfu_utilisation
 from megatron_omni.trainer.preemption import Preempted, StopSignals
 
 
@@ -74,7 +75,7 @@ def rl_step(run: Run, step: int) -> dict[str, Any]:
     seconds = clock.total()
     metrics = {f"{k}_mean": float(v.mean()) for k, v in step_scores.items()}
     metrics.update({f"{k}_std": float(v.std()) for k, v in step_scores.items()})
-    metrics.update(utilisation(run, algo.flops(run, trajs, text), seconds))  # per device
+    metrics.update(utilisation(run, algo.flops(run, trajs, text), seconds))  # a replica's rate, MFU per device
     metrics.update(lr=run.cfg.train.lr, **trained, **check, **clock.seconds, step_seconds=seconds,
                    images_per_second=len(trajs) * state.dp / seconds, sync_restarts=run.updater.restarts)
     labels = [f"{t.request.prompt}\nreward {float(r):.2f}" for t, r in zip(trajs, scores["reward"])]
@@ -119,9 +120,9 @@ def warn_on_logprob_gap(cfg: RunConfig, step: int, check: dict[str, float]) -> N
 
 
 def utilisation(run: Run, flops: float, seconds: float) -> dict[str, float]:
-    """Achieved TFLOP/s of the step's DiT work, and MFU where the device's peak is known."""
-    out = {"tflops_per_second": flops / seconds / 1e12}
+    """Achieved TFLOP/s of the step's DiT work (``flops``: one data-parallel replica's, which its tp x cp x pp
+    devices share), and MFU per device where the device's peak is known: the replica's rate over its devices'
+    summed peak."""
+    s = run.policy.state
     peak = device_peak_flops(run.cfg.model.torch_dtype)
-    if peak:
-        out["mfu"] = flops / seconds / peak
-    return out
+    return mfu_utilisation(flops, seconds, peak * replica_devices(s) if peak else None)

@@ -101,6 +101,11 @@ def varlen_step_flops(per_row: Callable[[Hashable], tuple[float, float]],
     return total
 
 
+def replica_devices(state) -> int:
+    """The devices one data-parallel replica spans (tp x cp x pp), which share its step's FLOPs."""
+    return state.tp * state.cp * state.pp
+
+
 def utilisation(flops: float, seconds: float, peak: float | None) -> dict[str, float]:
     """{"tflops_per_second": ...} and, where the peak is known, {"mfu": ...}."""
     out = {"tflops_per_second": flops / seconds / 1e12}

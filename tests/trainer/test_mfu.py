@@ -91,3 +91,23 @@ def test_varlen_step_flops_counts_each_row_at_its_text_length():
                + 2 * (9 + 3) + 0.2 * 9)  # 2 tokens: 6 rollout + 2 check + 1 recomputed forwards, 3 ref
     assert got == pytest.approx(by_hand)
     assert varlen_step_flops(lambda n: (1.0, 0.0), [(8, None, 2)], rollout_steps=4, frozen_base=False) == 4 + 2 * 3
+
+
+@pytest.mark.parametrize("tp,cp,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 2)])
+def test_mfu_is_per_device_of_a_replica(monkeypatch, tp, cp, pp):
+    """A step's FLOPs are one data-parallel replica's, shared by its tp x cp x pp devices: the loop's MFU divides
+    the replica's rate by their summed peak (TFLOP/s stays the replica's)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_omni.trainer import loop
+
+    monkeypatch.setattr(loop, "device_peak_flops", lambda dtype: 800e12)
+    run = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(torch_dtype=torch.bfloat16)),
+                          policy=SimpleNamespace(state=SimpleNamespace(tp=tp, cp=cp, pp=pp)))
+    out = loop.utilisation(run, 400e12 * 2.0, 2.0)  # 400 TFLOP/s achieved by the replica
+    assert out["tflops_per_second"] == pytest.approx(400.0)
+    assert out["mfu"] == pytest.approx(0.5 / (tp * cp * pp))
+    monkeypatch.setattr(loop, "device_peak_flops", lambda dtype: None)  # unknown peak (a CPU): no MFU
+    assert "mfu" not in loop.utilisation(run, 1e12, 1.0)
