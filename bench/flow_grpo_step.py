@@ -14,7 +14,8 @@ SDE window of 2 steps, LoRA r64 / alpha 128, micro-batches of 4 pairs, one optim
 (global batch = the step's 32 pairs); ``--compile`` / ``--compile-train`` set rollout.compile / train.compile.
 ``megatron_omni.trainer.build.build_run`` builds the run from a pipeline folder (model.path, data.task=pipeline:
 the family's text encoder, VAE, schedule and initial noise) and ``megatron_omni.trainer.loop.rl_step`` runs the
-warm-up steps (``--warmup``: 2 under --compile / --compile-train, else 1), then ``--steps`` timed ones; the table shows the medians of the loop's own metrics:
+warm-up steps (``--warmup``: 2 under --compile / --compile-train, else 1), then ``--steps`` timed ones; the table
+shows the medians of the loop's own metrics:
 * the loop's phases, rollout_seconds (text encoding, the engine's sampling, VAE decode, reward submission;
   split into rollout_sampling_seconds, the engine's generate to its last kernel, and rollout_scoring_seconds,
   the decode and the submission), reward_seconds (the log-prob check and the wait for the reward threads: they overlap), train_seconds,
