@@ -14,7 +14,8 @@ from outside the checkout.
    .pth line does not get its own .pth files run, and the finder is not even there, so only the wheel can
    provide the packages.  ``pip install --no-deps`` the wheel into it, then ``pip check``;
 4. from a temp working directory, with PYTHONPATH unset: ``megatron-omni --help``,
-   ``megatron-omni train --recipe digits_flow_grpo --print-config`` and ``megatron-omni convert --help``
+   ``megatron-omni train --recipe digits_flow_grpo --print-config``, ``megatron-omni convert --help`` and
+   ``megatron-omni bench --help``
    must exit 0, and every module of the installed packages (``pkgutil.walk_packages``) must import from the
    fresh venv's site-packages, with no sys.path entry inside the checkout.
 
@@ -40,7 +41,8 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = (["--help"], ["train", "--recipe", "digits_flow_grpo", "--print-config"], ["convert", "--help"])
+COMMANDS = (["--help"], ["train", "--recipe", "digits_flow_grpo", "--print-config"], ["convert", "--help"],
+            ["bench", "--help"])
 # never copied when git cannot list the files (no git, or not a checkout)
 COPY_IGNORE = (".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "runs", "wandb")
 
