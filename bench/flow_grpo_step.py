@@ -66,7 +66,7 @@ import torch  # noqa: E402
 import megatron_omni  # noqa: E402,F401  (quiet upstream notices)
 from _flow_grpo_parts import Recipe, free_device_memory, make_recipe, medians, peak_gib, phase_flops  # noqa: E402
 from megatron_omni.bench import PHASES, time_steps  # noqa: E402
-from megatron_omni.trainer.mfu import device_peak_flops  # noqa: E402
+from megatron_omni.trainer.mfu import replica_peak_flops  # noqa: E402
 
 RECIPE = "qwen_image_flow_grpo"
 # the DiT side as recorded up to 2026-12-02: the whole rollout (the VAE decode and the reward submission in it)
@@ -305,9 +305,7 @@ def print_table(cfg, results: list[LoopResult], steps: int, notes: list[str], sm
     from rich.console import Console
     from rich.table import Table
 
-    q = cfg.parallel
-    peak = device_peak_flops(cfg.model.torch_dtype)  # per device: a replica's FLOPs over its tp x cp x pp devices
-    peak = peak * q.tp * q.cp * q.pp if peak else None
+    peak = replica_peak_flops(cfg.model.torch_dtype, cfg.parallel)  # MFU per device
     device = torch.cuda.get_device_name() if cfg.parallel.device != "cpu" and torch.cuda.is_available() \
         else "CPU (smoke: times mean nothing)"
     r = cfg.rollout

@@ -149,7 +149,7 @@ def _bench(cfg, args) -> int:
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from megatron_omni.trainer.build import build_run
     from megatron_omni.trainer.memory import check_fits, device_memory, estimate
-    from megatron_omni.trainer.mfu import device_peak_flops, replica_devices
+    from megatron_omni.trainer.mfu import replica_peak_flops
     from megatron_omni.trainer.run import check_data_parallel, check_loop_layout, check_task_fits
 
     check_loop_layout(cfg)
@@ -183,8 +183,7 @@ def _bench(cfg, args) -> int:
              f"{cfg.rollout.prompts_per_step * cfg.rollout.group_size} images per step, dp {state.dp} x tp {q.tp} x "
              f"cp {q.cp} x pp {q.pp} on {state.torch_device.type}; median of {args.steps} steps")
     console = Console()
-    peak_flops = device_peak_flops(cfg.model.torch_dtype)  # per device: a replica's rate over its devices' peak
-    console.print(table(result, title, peak_flops * replica_devices(state) if peak_flops else None))
+    console.print(table(result, title, replica_peak_flops(cfg.model.torch_dtype, state)))  # MFU per device
     notes = [f"DiT side = {' + '.join(DIT_PHASES)}; end to end = the loop's step_seconds",
              f"ready in {ready:.1f} s (task and build_run); warm-up steps "
              + (", ".join(f"{s:.1f}" for s in result["warmup"]) or "none") + " s"]

@@ -18,8 +18,7 @@ from megatron_omni.parallel.state import ParallelState
 from megatron_omni.trainer.build import Run, build_run, scores_of
 from megatron_omni.trainer.data_parallel import gather_scores, mean_over_dp, shard_bounds, step_advantages
 from megatron_omni.trainer.evaluate import evaluate
-from megatron_omni.trainer.mfu import device_peak_flops, replica_devices
-from megatron_omni.trainer.mfu import utilisation as mfu_utilisation
+from megatron_omni.trainer.mfu import replica_peak_flops, utilisation as mfu_utilisation
 from megatron_omni.trainer.preemption import Preempted, StopSignals
 
 
@@ -123,6 +122,4 @@ def utilisation(run: Run, flops: float, seconds: float) -> dict[str, float]:
     """Achieved TFLOP/s of the step's DiT work (``flops``: one data-parallel replica's, which its tp x cp x pp
     devices share), and MFU per device where the device's peak is known: the replica's rate over its devices'
     summed peak."""
-    s = run.policy.state
-    peak = device_peak_flops(run.cfg.model.torch_dtype)
-    return mfu_utilisation(flops, seconds, peak * replica_devices(s) if peak else None)
+    return mfu_utilisation(flops, seconds, replica_peak_flops(run.cfg.model.torch_dtype, run.policy.state))

@@ -101,9 +101,12 @@ def varlen_step_flops(per_row: Callable[[Hashable], tuple[float, float]],
     return total
 
 
-def replica_devices(state) -> int:
-    """The devices one data-parallel replica spans (tp x cp x pp), which share its step's FLOPs."""
-    return state.tp * state.cp * state.pp
+def replica_peak_flops(dtype: torch.dtype, layout) -> float | None:
+    """The summed peak of the devices one data-parallel replica spans (``layout``: a ParallelState or the config's
+    parallel section; tp x cp x pp devices share a replica's step FLOPs), None where the device's peak is unknown:
+    a replica's rate over it is the MFU per device."""
+    peak = device_peak_flops(dtype)
+    return peak * layout.tp * layout.cp * layout.pp if peak else None
 
 
 def utilisation(flops: float, seconds: float, peak: float | None) -> dict[str, float]:

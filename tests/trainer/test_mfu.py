@@ -101,13 +101,13 @@ def test_mfu_is_per_device_of_a_replica(monkeypatch, tp, cp, pp):
 
     import torch
 
-    from megatron_omni.trainer import loop
+    from megatron_omni.trainer import loop, mfu
 
-    monkeypatch.setattr(loop, "device_peak_flops", lambda dtype: 800e12)
+    monkeypatch.setattr(mfu, "device_peak_flops", lambda dtype: 800e12)
     run = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(torch_dtype=torch.bfloat16)),
                           policy=SimpleNamespace(state=SimpleNamespace(tp=tp, cp=cp, pp=pp)))
     out = loop.utilisation(run, 400e12 * 2.0, 2.0)  # 400 TFLOP/s achieved by the replica
     assert out["tflops_per_second"] == pytest.approx(400.0)
     assert out["mfu"] == pytest.approx(0.5 / (tp * cp * pp))
-    monkeypatch.setattr(loop, "device_peak_flops", lambda dtype: None)  # unknown peak (a CPU): no MFU
+    monkeypatch.setattr(mfu, "device_peak_flops", lambda dtype: None)  # unknown peak (a CPU): no MFU
     assert "mfu" not in loop.utilisation(run, 1e12, 1.0)
