@@ -30,6 +30,7 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    import triton.testing
 except ImportError:  # CPU-only installs: the torch path
     triton = None
 
@@ -76,36 +77,74 @@ def _gelu_quantize_reference(y_MN, bias_N, lora_MN):
 
 if triton is not None:
     @triton.jit
-    def _gelu_quantize_kernel(y, bias, lora, a_out, q_out, s_out, N, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                              KEEP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # one row, whole in registers: read once, written once
-        cols = tl.arange(0, BLOCK)
-        m = cols < N
-        at = row * N + cols
+    def _activation(y, bias, lora, at, cols, m, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, GELU: tl.constexpr):
+        """gelu_tanh((y + lora) + b) at ``at`` in y's dtype, each step rounded as eager rounds it."""
         x = tl.load(y + at, mask=m, other=0.0)
         if HAS_LORA:
             x = (x.to(tl.float32) + tl.load(lora + at, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
         if HAS_BIAS:
             x = (x.to(tl.float32) + tl.load(bias + cols, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
-        xf = x.to(tl.float32)
         if GELU:
+            xf = x.to(tl.float32)
             inner = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)  # sqrt(2 / pi) (x + 0.044715 x^3)
-            g = (0.5 * xf * (2.0 * tl.sigmoid(2.0 * inner))).to(x.dtype)  # 1 + tanh(z) = 2 sigmoid(2 z)
-        else:
-            g = x
-        if KEEP:
-            tl.store(a_out + at, g, mask=m)
-        gf = tl.where(m, g.to(tl.float32), 0.0)
-        scale = tl.maximum(tl.max(tl.abs(gf), axis=0) / 448.0, 1e-12)
-        v = tl.minimum(tl.maximum(gf / scale, -448.0), 448.0)
-        # round to e4m3's grid here, to nearest even (a step of 2^(e - 3) at exponent e, 2^-9 below the normals):
-        # the cast below is then exact, whatever conversion the backend runs (Triton's CPU interpreter truncates)
+            x = (0.5 * xf * (2.0 * tl.sigmoid(2.0 * inner))).to(x.dtype)  # 1 + tanh(z) = 2 sigmoid(2 z)
+        return x
+
+    @triton.jit
+    def _e4m3_codes(g, scale, m):
+        """g / scale clamped and rounded to e4m3's grid, to nearest even (a step of 2^(e - 3) at exponent e, 2^-9
+        below the normals): the cast is then exact whatever conversion the backend runs (Triton's CPU interpreter
+        truncates)."""
+        v = tl.minimum(tl.maximum(tl.where(m, g.to(tl.float32), 0.0) / scale, -448.0), 448.0)
         e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
         step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
         inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
         q = ((v * inv + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32's round-to-nearest-even to integers
-        tl.store(q_out + at, q.to(tl.float8e4nv), mask=m)
+        return q.to(tl.float8e4nv)
+
+    @triton.jit
+    def _gelu_quantize_kernel(y, bias, lora, a_out, q_out, s_out, M_BIN, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              HAS_LORA: tl.constexpr, KEEP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per row.  BLOCK >= N: the row whole in registers, read once.  Else in chunks of BLOCK: a
+        first pass for the row's maximum (writing the kept activation), a second that recomputes each chunk from
+        y (a re-read the L2 cache mostly serves: the row was read a moment before) and writes its codes; the
+        values are the first pass's exactly (the same ops on the same inputs).  ``M_BIN`` only keys the autotuner."""
+        row = tl.program_id(0).to(tl.int64)
+        base = row * N
+        if BLOCK >= N:
+            cols = tl.arange(0, BLOCK)
+            m = cols < N
+            g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU)
+            if KEEP:
+                tl.store(a_out + base + cols, g, mask=m)
+            scale = tl.maximum(tl.max(tl.abs(tl.where(m, g.to(tl.float32), 0.0)), axis=0) / 448.0, 1e-12)
+            tl.store(q_out + base + cols, _e4m3_codes(g, scale, m), mask=m)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                m = cols < N
+                g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU)
+                if KEEP:
+                    tl.store(a_out + base + cols, g, mask=m)
+                amax = tl.maximum(amax, tl.abs(tl.where(m, g.to(tl.float32), 0.0)))
+            scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                m = cols < N
+                g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU)
+                tl.store(q_out + base + cols, _e4m3_codes(g, scale, m), mask=m)
         tl.store(s_out + row, scale)
+
+    # (BLOCK, warps) the autotuner times at a kernel's first launch per (N, M's bit length): the whole row in one
+    # program of 16 warps (the launch of a16714e) and the row in chunks, whose smaller programs leave room for more
+    # of them per multiprocessor; a config wider than the row runs it whole
+    LAUNCHES = ((16384, 16), (8192, 8), (4096, 8), (4096, 4), (2048, 4), (2048, 8), (1024, 4))
+    _gelu_quantize_tuned = triton.autotune(
+        [triton.Config({"BLOCK": b}, num_warps=w) for b, w in LAUNCHES], key=["M_BIN", "N", "KEEP", "HAS_LORA"],
+        # a short timing per config (~0.2 s a tuning instead of ~1 s): the kernels differ by tens of percent
+        do_bench=lambda call, quantiles: triton.testing.do_bench(call, warmup=5, rep=20, quantiles=quantiles),
+    )(_gelu_quantize_kernel)
 
 
 def _runs_gelu_kernel(y: torch.Tensor) -> bool:
@@ -113,13 +152,29 @@ def _runs_gelu_kernel(y: torch.Tensor) -> bool:
     return triton is not None and (y.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+# a fixed (BLOCK, warps) for the row kernel instead of the autotuner's choice (tests, bench/gelu_quantize.py); None:
+# the autotuner on CUDA, the whole row in the CPU interpreter
+_LAUNCH: tuple[int, int] | None = None
+
+
+def _row_kernel(y_MN, bias, lora, a, q, s, has_bias: bool, has_lora: bool, keep: bool, gelu: bool) -> None:
+    m, n = y_MN.shape
+    flags = dict(N=n, HAS_BIAS=has_bias, HAS_LORA=has_lora, KEEP=keep, GELU=gelu)
+    launch = _LAUNCH or (None if y_MN.is_cuda else (triton.next_power_of_2(n), 4))
+    if launch is None:
+        _gelu_quantize_tuned[(m,)](y_MN, bias, lora, a, q, s, m.bit_length(), **flags)
+    else:
+        _gelu_quantize_kernel[(m,)](y_MN, bias, lora, a, q, s, m.bit_length(), **flags, BLOCK=launch[0],
+                                    num_warps=launch[1])
+
+
 @torch.library.custom_op("megatron_omni::gelu_quantize_rows", mutates_args=())
 def gelu_quantize_rows(y_MN: torch.Tensor, bias_N: torch.Tensor | None, lora_MN: torch.Tensor | None,
                        keep_activation: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fc1's FP8 output to fc2's FP8 input in one pass: (a [M, N] = gelu_tanh((y + lora) + b) in y's dtype, or an
+    """fc1's FP8 output to fc2's FP8 input in one kernel: (a [M, N] = gelu_tanh((y + lora) + b) in y's dtype, or an
     empty tensor unless ``keep_activation`` (what fc2's LoRA adapter reads), Q [M, N] e4m3, s [M, 1] float32)
-    with a ≈ s Q per row, ``quantize_rows(a)``.  One Triton program per row reads y (and the LoRA output) once and
-    writes Q (and a) once; elsewhere the same math as torch ops."""
+    with a ≈ s Q per row, ``quantize_rows(a)``.  One Triton program per row reads y (and the LoRA output) from
+    memory once and writes Q (and a) once; elsewhere the same math as torch ops."""
     if not _runs_gelu_kernel(y_MN):
         a, q, s = _gelu_quantize_reference(y_MN, bias_N, lora_MN)
         return (a if keep_activation else a.new_empty(0)), q, s
@@ -129,10 +184,8 @@ def gelu_quantize_rows(y_MN: torch.Tensor, bias_N: torch.Tensor | None, lora_MN:
     a = torch.empty_like(y_MN) if keep_activation else y_MN.new_empty(0)
     q = torch.empty(m, n, device=y_MN.device, dtype=E4M3)
     s = torch.empty(m, 1, device=y_MN.device, dtype=torch.float32)
-    block = triton.next_power_of_2(n)
-    _gelu_quantize_kernel[(m,)](y_MN, y_MN if bias_N is None else bias_N, lora, a, q, s, n, HAS_BIAS=bias_N is not None,
-                                HAS_LORA=lora_MN is not None, KEEP=keep_activation, GELU=True, BLOCK=block,
-                                num_warps=max(4, min(16, block // 1024)))
+    _row_kernel(y_MN, y_MN if bias_N is None else bias_N, lora, a, q, s, bias_N is not None, lora_MN is not None,
+                keep_activation, True)
     return a, q, s
 
 
@@ -147,9 +200,7 @@ def quantize_weight_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     w_NK = w_NK.contiguous()
     q = torch.empty(n, k, device=w_NK.device, dtype=E4M3)
     s = torch.empty(n, 1, device=w_NK.device, dtype=torch.float32)
-    block = triton.next_power_of_2(k)
-    _gelu_quantize_kernel[(n,)](w_NK, w_NK, w_NK, w_NK, q, s, k, HAS_BIAS=False, HAS_LORA=False, KEEP=False,
-                                GELU=False, BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+    _row_kernel(w_NK, w_NK, w_NK, w_NK, q, s, False, False, False, False)
     return q, s
 
 

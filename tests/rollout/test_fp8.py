@@ -165,12 +165,16 @@ def _gelu_quantize_vs_reference(device: str, dtype: torch.dtype, n: int = 1000):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype):
+@pytest.mark.parametrize("launch", [None, (16384, 16), (2048, 4)])  # the autotuner's pick, whole rows, chunks
+def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype, launch, monkeypatch):
+    monkeypatch.setattr(fp8, "_LAUNCH", launch)
     _gelu_quantize_vs_reference("cuda", dtype, n=12288)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter only")
-def test_gelu_quantize_kernel_interpreted():
+@pytest.mark.parametrize("launch", [None, (64, 4)])  # the whole row in one block; four blocks, the last one partial
+def test_gelu_quantize_kernel_interpreted(launch, monkeypatch):
+    monkeypatch.setattr(fp8, "_LAUNCH", launch)
     _gelu_quantize_vs_reference("cpu", torch.float32, n=200)
 
 
@@ -182,7 +186,7 @@ def test_gelu_quantize_kernel_on_cpu():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           f"{__file__}::test_gelu_quantize_kernel_interpreted"], env=env, capture_output=True,
                          text=True, timeout=600)
-    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("lora", [False, True])

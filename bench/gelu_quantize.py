@@ -1,0 +1,87 @@
+"""The FP8 rollout's row kernel (model_specs.common.fp8: fc1's product -> bias + GELU-tanh -> fc2's e4m3 input and
+row scales; without GELU, the rollout's weight copies) at the Qwen-Image rollout's shapes, per launch.
+
+    python3 bench/gelu_quantize.py [--batch 16] [--text-tokens 109] [--repeats 20]
+
+Rows: the image stream's fc1 output at ``--batch`` (x 1024 tokens at 512²) with the adapters merged (no LoRA input,
+nothing kept) and separate (the LoRA output read, the activation kept for fc2's adapter), the text stream's, and
+the weight copies of fc1 / fc2.  Each row times every launch of ``fp8.LAUNCHES`` (BLOCK, warps: BLOCK >= N runs
+a row whole) and the autotuner's pick, and reports the memory traffic's rate; every launch's codes and scales
+must equal the whole-row launch's bit for bit (the same ops on the same inputs).  GPU only (CUDA events).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _profile import median_ms
+from model_specs.common import fp8
+
+MLP, HIDDEN = 12288, 3072
+
+
+def cases(batch: int, text_tokens: int):
+    """(name, rows, columns, bias, LoRA input + kept activation, GELU)."""
+    image, text = batch * 1024, batch * text_tokens
+    return (("image fc1 -> fc2, merged", image, MLP, True, False, True),
+            ("image fc1 -> fc2, separate", image, MLP, True, True, True),
+            ("text fc1 -> fc2, merged", text, MLP, True, False, True),
+            ("fc1 weight copy", MLP, HIDDEN, False, False, False),
+            ("fc2 weight copy", HIDDEN, MLP, False, False, False))
+
+
+def run(y, bias, lora, keep: bool, gelu: bool):
+    if gelu:
+        return fp8.gelu_quantize_rows(y, bias, lora, keep)
+    return (None, *fp8.quantize_weight_rows(y))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=16, help="rollout batch (one CFG branch)")
+    p.add_argument("--text-tokens", type=int, default=109)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    if min(args.batch, args.text_tokens, args.repeats) < 1:
+        p.error(f"--batch {args.batch}, --text-tokens {args.text_tokens}, --repeats {args.repeats}: expected >= 1")
+    if not torch.cuda.is_available() or fp8.triton is None:
+        p.error("no CUDA device with Triton: this bench times a GPU kernel")
+    from rich.console import Console
+    from rich.table import Table
+
+    launches = [None, *fp8.LAUNCHES]
+    table = Table(title=f"fp8 row kernel, {torch.cuda.get_device_name()}, median of {args.repeats} (ms, GB/s)")
+    table.add_column("case")
+    table.add_column("rows x cols", justify="right")
+    for launch in launches:
+        table.add_column("autotuned" if launch is None else f"{launch[0]} / {launch[1]}w", justify="right")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, m, n, has_bias, separate, gelu in cases(args.batch, args.text_tokens):
+        y = (torch.randn(m, n, device="cuda", generator=g) * 2).bfloat16()
+        bias = torch.randn(n, device="cuda", generator=g).bfloat16() if has_bias else None
+        lora = (torch.randn(m, n, device="cuda", generator=g) * 0.1).bfloat16() if separate else None
+        moved = y.numel() * (2 + 1) + (y.numel() * 2 * 2 if separate else 0)  # y in, codes out (+ LoRA in, a out)
+        cells, whole = [], None
+        for launch in launches:
+            fp8._LAUNCH = launch
+            try:
+                out = run(y, bias, lora, separate, gelu)
+                ms = median_ms(lambda: run(y, bias, lora, separate, gelu), args.repeats, warmup=3)
+            finally:
+                fp8._LAUNCH = None
+            codes = (out[1].view(torch.uint8), out[2])
+            if launch == fp8.LAUNCHES[0]:
+                whole = codes
+            cells.append((ms, codes))
+        for _, (q, s) in cells:
+            if not (torch.equal(q, whole[0]) and torch.equal(s, whole[1])):
+                raise SystemExit(f"{name}: a launch's codes or scales differ from the whole-row launch's")
+        table.add_row(name, f"{m} x {n}", *(f"{ms:.3f} ({moved / ms / 1e6:.0f})" for ms, _ in cells))
+    table.caption = ("GB/s = bytes the kernel must move (y read, e4m3 codes written; separate: + the LoRA output read "
+                     "and the activation written) / time; every launch's codes and scales equal the whole-row one's")
+    Console(width=220).print(table)
+
+
+if __name__ == "__main__":
+    main()
