@@ -6,7 +6,7 @@ row scales; without GELU, the rollout's weight copies) at the Qwen-Image rollout
 Rows: the image stream's fc1 output at ``--batch`` (x 1024 tokens at 512²) with the adapters merged (no LoRA input,
 nothing kept) and separate (the LoRA output read, the activation kept for fc2's adapter), the text stream's, and
 the weight copies of fc1 / fc2.  Each row times every launch of ``fp8.LAUNCHES`` (BLOCK, warps: BLOCK >= N runs
-a row whole) and the autotuner's pick, and reports the memory traffic's rate; every launch's codes and scales
+a row whole) and the product's (``fp8.launch_of``), and reports the memory traffic's rate; every launch's codes and scales
 must equal the whole-row launch's bit for bit (the same ops on the same inputs).  GPU only (CUDA events).
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     table.add_column("case")
     table.add_column("rows x cols", justify="right")
     for launch in launches:
-        table.add_column("autotuned" if launch is None else f"{launch[0]} / {launch[1]}w", justify="right")
+        table.add_column("launch_of" if launch is None else f"{launch[0]} / {launch[1]}w", justify="right")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, m, n, has_bias, separate, gelu in cases(args.batch, args.text_tokens):
         y = (torch.randn(m, n, device="cuda", generator=g) * 2).bfloat16()

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
-    import triton.testing
 except ImportError:  # CPU-only installs: the torch path
     triton = None
 
@@ -103,12 +102,12 @@ if triton is not None:
         return q.to(tl.float8e4nv)
 
     @triton.jit
-    def _gelu_quantize_kernel(y, bias, lora, a_out, q_out, s_out, M_BIN, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _gelu_quantize_kernel(y, bias, lora, a_out, q_out, s_out, N: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_LORA: tl.constexpr, KEEP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
         """One program per row.  BLOCK >= N: the row whole in registers, read once.  Else in chunks of BLOCK: a
         first pass for the row's maximum (writing the kept activation), a second that recomputes each chunk from
         y (a re-read the L2 cache mostly serves: the row was read a moment before) and writes its codes; the
-        values are the first pass's exactly (the same ops on the same inputs).  ``M_BIN`` only keys the autotuner."""
+        values are the first pass's exactly (the same ops on the same inputs).  Launch: ``launch_of``."""
         row = tl.program_id(0).to(tl.int64)
         base = row * N
         if BLOCK >= N:
@@ -136,15 +135,8 @@ if triton is not None:
                 tl.store(q_out + base + cols, _e4m3_codes(g, scale, m), mask=m)
         tl.store(s_out + row, scale)
 
-    # (BLOCK, warps) the autotuner times at a kernel's first launch per (N, M's bit length): the whole row in one
-    # program of 16 warps (the launch of a16714e) and the row in chunks, whose smaller programs leave room for more
-    # of them per multiprocessor; a config wider than the row runs it whole
+    # (BLOCK, warps) launches bench/gelu_quantize.py compares: a config as wide as the row runs it whole
     LAUNCHES = ((16384, 16), (8192, 8), (4096, 8), (4096, 4), (2048, 4), (2048, 8), (1024, 4))
-    _gelu_quantize_tuned = triton.autotune(
-        [triton.Config({"BLOCK": b}, num_warps=w) for b, w in LAUNCHES], key=["M_BIN", "N", "KEEP", "HAS_LORA"],
-        # a short timing per config (~0.2 s a tuning instead of ~1 s): the kernels differ by tens of percent
-        do_bench=lambda call, quantiles: triton.testing.do_bench(call, warmup=5, rep=20, quantiles=quantiles),
-    )(_gelu_quantize_kernel)
 
 
 def _runs_gelu_kernel(y: torch.Tensor) -> bool:
@@ -152,20 +144,28 @@ def _runs_gelu_kernel(y: torch.Tensor) -> bool:
     return triton is not None and (y.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-# a fixed (BLOCK, warps) for the row kernel instead of the autotuner's choice (tests, bench/gelu_quantize.py); None:
-# the autotuner on CUDA, the whole row in the CPU interpreter
+# a fixed (BLOCK, warps) for the row kernel instead of ``launch_of``'s (tests, bench/gelu_quantize.py)
 _LAUNCH: tuple[int, int] | None = None
+CHUNKED_MIN_ROWS = 4096  # separate adapters' rows from which the chunked launch runs (a GPU's worth of programs)
+
+
+def launch_of(rows: int, n: int, reads_lora: bool) -> tuple[int, int]:
+    """(BLOCK, warps) of the row kernel, from bench/gelu_quantize.py on an H200 (bench/RESULTS.md, 2026-12-03): the
+    row whole in one program (warps by its width) for fc1 -> fc2 with the adapters merged (16384 x 12288: 0.510 ms,
+    every chunked launch 0.549-0.747) and for the weight copies; in chunks of 1024 over 4 warps when the LoRA output
+    is read and the activation kept (adapters separate: 0.610 ms against the whole row's 0.904), whose three
+    row-sized tensors crowd one program's registers."""
+    if reads_lora and rows >= CHUNKED_MIN_ROWS:
+        return 1024, 4
+    block = triton.next_power_of_2(n)
+    return block, max(4, min(16, block // 1024))
 
 
 def _row_kernel(y_MN, bias, lora, a, q, s, has_bias: bool, has_lora: bool, keep: bool, gelu: bool) -> None:
     m, n = y_MN.shape
-    flags = dict(N=n, HAS_BIAS=has_bias, HAS_LORA=has_lora, KEEP=keep, GELU=gelu)
-    launch = _LAUNCH or (None if y_MN.is_cuda else (triton.next_power_of_2(n), 4))
-    if launch is None:
-        _gelu_quantize_tuned[(m,)](y_MN, bias, lora, a, q, s, m.bit_length(), **flags)
-    else:
-        _gelu_quantize_kernel[(m,)](y_MN, bias, lora, a, q, s, m.bit_length(), **flags, BLOCK=launch[0],
-                                    num_warps=launch[1])
+    block, warps = _LAUNCH or launch_of(m, n, has_lora or keep)
+    _gelu_quantize_kernel[(m,)](y_MN, bias, lora, a, q, s, N=n, HAS_BIAS=has_bias, HAS_LORA=has_lora, KEEP=keep,
+                                GELU=gelu, BLOCK=block, num_warps=warps)
 
 
 @torch.library.custom_op("megatron_omni::gelu_quantize_rows", mutates_args=())

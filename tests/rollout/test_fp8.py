@@ -165,7 +165,7 @@ def _gelu_quantize_vs_reference(device: str, dtype: torch.dtype, n: int = 1000):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("launch", [None, (16384, 16), (2048, 4)])  # the autotuner's pick, whole rows, chunks
+@pytest.mark.parametrize("launch", [None, (16384, 16), (2048, 4)])  # the product's launch_of, whole rows, chunks
 def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype, launch, monkeypatch):
     monkeypatch.setattr(fp8, "_LAUNCH", launch)
     _gelu_quantize_vs_reference("cuda", dtype, n=12288)
@@ -187,6 +187,17 @@ def test_gelu_quantize_kernel_on_cpu():
                           f"{__file__}::test_gelu_quantize_kernel_interpreted"], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_row_kernel_launch_follows_the_measured_rule():
+    """Whole rows for the merged adapters' fc1 -> fc2 and the weight copies; chunks of 1024 over 4 warps where the
+    LoRA output is read and the activation kept, from a GPU's worth of rows (bench/gelu_quantize.py's table)."""
+    pytest.importorskip("triton")
+    assert fp8.launch_of(16384, 12288, reads_lora=False) == (16384, 16)
+    assert fp8.launch_of(16384, 12288, reads_lora=True) == (1024, 4)
+    assert fp8.launch_of(fp8.CHUNKED_MIN_ROWS - 1, 12288, reads_lora=True) == (16384, 16)
+    assert fp8.launch_of(12288, 3072, reads_lora=False) == (4096, 4)
+    assert fp8.launch_of(37, 200, reads_lora=True) == (256, 4)
 
 
 @pytest.mark.parametrize("lora", [False, True])
