@@ -1,5 +1,7 @@
-"""The FP8 rollout's row kernel (model_specs.common.fp8: fc1's product -> bias + GELU-tanh -> fc2's e4m3 input and
-row scales; without GELU, the rollout's weight copies) at the Qwen-Image rollout's shapes, per launch.
+"""The FP8 rollout's row kernel at the Qwen-Image rollout's shapes, at each launch.
+
+The kernel (model_specs.common.fp8): fc1's product -> bias + GELU-tanh -> fc2's e4m3 input and row scales; without
+GELU, the rollout's weight copies.
 
     python3 bench/gelu_quantize.py [--batch 16] [--text-tokens 109] [--repeats 20]
 
