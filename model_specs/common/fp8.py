@@ -90,20 +90,26 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _e4m3_codes(g, scale, m):
-        """g / scale clamped and rounded to e4m3's grid, to nearest even (a step of 2^(e - 3) at exponent e, 2^-9
-        below the normals): the cast is then exact whatever conversion the backend runs (Triton's CPU interpreter
-        truncates)."""
+    def _e4m3_codes(g, scale, m, EMULATE: tl.constexpr):
+        """g / scale clamped to e4m3's range and cast to its codes, to nearest even.  ``EMULATE`` (Triton's CPU
+        interpreter, whose cast truncates): the rounding done first in float32 arithmetic on |v| -- a step of
+        2^(e - 3) at exponent e, 2^-9 below the normals -- and the sign put back (a tiny negative rounds to -0, as
+        the hardware's and torch's casts give), so that the cast is exact; on a GPU the hardware's conversion
+        (bit-equal: bench/gelu_quantize.py checks it, tests/rollout/test_fp8.py too)."""
         v = tl.minimum(tl.maximum(tl.where(m, g.to(tl.float32), 0.0) / scale, -448.0), 448.0)
-        e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-        step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
-        inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
-        q = ((v * inv + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32's round-to-nearest-even to integers
-        return q.to(tl.float8e4nv)
+        if EMULATE:
+            a = tl.abs(v)
+            e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+            step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+            inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+            r = ((a * inv + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32's round-to-nearest-even
+            v = tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)
+        return v.to(tl.float8e4nv)
 
     @triton.jit
     def _gelu_quantize_kernel(y, bias, lora, a_out, q_out, s_out, N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              HAS_LORA: tl.constexpr, KEEP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
+                              HAS_LORA: tl.constexpr, KEEP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr,
+                              EMULATE: tl.constexpr):
         """One program per row.  BLOCK >= N: the row whole in registers, read once.  Else in chunks of BLOCK: a
         first pass for the row's maximum (writing the kept activation), a second that recomputes each chunk from
         y (a re-read the L2 cache mostly serves: the row was read a moment before) and writes its codes; the
@@ -117,7 +123,7 @@ if triton is not None:
             if KEEP:
                 tl.store(a_out + base + cols, g, mask=m)
             scale = tl.maximum(tl.max(tl.abs(tl.where(m, g.to(tl.float32), 0.0)), axis=0) / 448.0, 1e-12)
-            tl.store(q_out + base + cols, _e4m3_codes(g, scale, m), mask=m)
+            tl.store(q_out + base + cols, _e4m3_codes(g, scale, m, EMULATE), mask=m)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, N, BLOCK):
@@ -132,11 +138,11 @@ if triton is not None:
                 cols = start + tl.arange(0, BLOCK)
                 m = cols < N
                 g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU)
-                tl.store(q_out + base + cols, _e4m3_codes(g, scale, m), mask=m)
+                tl.store(q_out + base + cols, _e4m3_codes(g, scale, m, EMULATE), mask=m)
         tl.store(s_out + row, scale)
 
     # (BLOCK, warps) launches bench/gelu_quantize.py compares: a config as wide as the row runs it whole
-    LAUNCHES = ((16384, 16), (8192, 8), (4096, 8), (4096, 4), (2048, 4), (2048, 8), (1024, 4))
+    LAUNCHES = ((16384, 16), (16384, 8), (8192, 8), (4096, 8), (4096, 4), (2048, 4), (2048, 8), (1024, 4))
 
 
 def _runs_gelu_kernel(y: torch.Tensor) -> bool:
@@ -146,6 +152,9 @@ def _runs_gelu_kernel(y: torch.Tensor) -> bool:
 
 # a fixed (BLOCK, warps) for the row kernel instead of ``launch_of``'s (tests, bench/gelu_quantize.py)
 _LAUNCH: tuple[int, int] | None = None
+# the e4m3 rounding in float32 arithmetic (True) or the backend's cast (False) instead of the default: emulated in
+# Triton's CPU interpreter only (tests, bench/gelu_quantize.py: the two give the same codes)
+_EMULATE: bool | None = None
 CHUNKED_MIN_ROWS = 4096  # separate adapters' rows from which the chunked launch runs (a GPU's worth of programs)
 
 
@@ -158,14 +167,15 @@ def launch_of(rows: int, n: int, reads_lora: bool) -> tuple[int, int]:
     if reads_lora and rows >= CHUNKED_MIN_ROWS:
         return 1024, 4
     block = triton.next_power_of_2(n)
-    return block, max(4, min(16, block // 1024))
+    return block, max(4, min(8, block // 2048))
 
 
 def _row_kernel(y_MN, bias, lora, a, q, s, has_bias: bool, has_lora: bool, keep: bool, gelu: bool) -> None:
     m, n = y_MN.shape
     block, warps = _LAUNCH or launch_of(m, n, has_lora or keep)
     _gelu_quantize_kernel[(m,)](y_MN, bias, lora, a, q, s, N=n, HAS_BIAS=has_bias, HAS_LORA=has_lora, KEEP=keep,
-                                GELU=gelu, BLOCK=block, num_warps=warps)
+                                GELU=gelu, BLOCK=block, EMULATE=not y_MN.is_cuda if _EMULATE is None else _EMULATE,
+                                num_warps=warps)
 
 
 @torch.library.custom_op("megatron_omni::gelu_quantize_rows", mutates_args=())

@@ -162,6 +162,32 @@ def _gelu_quantize_vs_reference(device: str, dtype: torch.dtype, n: int = 1000):
     assert ((q.float() - rq.float()).abs() <= step + 1e-6).all() and (q.float() == rq.float()).float().mean() > 0.97
 
 
+def _e4m3_rounding_vs_torch(device: str) -> None:
+    """The row kernel's e4m3 codes bit for bit against torch's cast (round to nearest even, saturating here by the
+    clamp): every e4m3 value, each midpoint between neighbours (ties) and the float32 values either side of it, in
+    both signs, the subnormals, values that round to -0 and -0 itself.  The weight-copy launch (no GELU) over rows
+    whose largest magnitude is 448, so that the scale is exactly 1 and the codes are the values' own rounding."""
+    grid = torch.arange(256, dtype=torch.uint8).view(fp8.E4M3).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()  # 0, the subnormals 2^-9.., the normals ..448
+    mid = (grid[1:] + grid[:-1]) / 2
+    v = torch.cat([grid, mid, torch.nextafter(mid, grid[1:]), torch.nextafter(mid, grid[:-1]),
+                   torch.tensor([2.0 ** -11, 2.0 ** -10, 3 * 2.0 ** -11, 1e-30])])
+    v = torch.cat([v, -v, torch.tensor([-0.0])])
+    v = torch.cat([v, v.new_zeros((-v.numel()) % 255)]).view(-1, 255)
+    rows = torch.cat([v, torch.full((v.shape[0], 1), E4M3_MAX)], dim=1).to(device)  # each row's max: 448 -> scale 1
+    q, s = fp8.quantize_weight_rows(rows)
+    assert torch.equal(s, torch.ones_like(s))
+    assert torch.equal(q.view(torch.uint8).cpu(), rows.cpu().to(fp8.E4M3).view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("emulate", [False, True])  # the hardware's cast (the product's on a GPU), the emulation
+def test_row_kernel_rounds_as_torch_on_gpu(emulate, monkeypatch):
+    monkeypatch.setattr(fp8, "_EMULATE", emulate)
+    _e4m3_rounding_vs_torch("cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -178,24 +204,30 @@ def test_gelu_quantize_kernel_interpreted(launch, monkeypatch):
     _gelu_quantize_vs_reference("cpu", torch.float32, n=200)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter only")
+def test_row_kernel_rounds_as_torch_interpreted():
+    _e4m3_rounding_vs_torch("cpu")
+
+
 def test_gelu_quantize_kernel_on_cpu():
     """The kernel's logic (row blocks, masks, the bias / LoRA inputs, the kept activation) in Triton's CPU
     interpreter; a subprocess, as Triton reads TRITON_INTERPRET when it decorates the kernel."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          f"{__file__}::test_gelu_quantize_kernel_interpreted"], env=env, capture_output=True,
+                          f"{__file__}::test_gelu_quantize_kernel_interpreted",
+                          f"{__file__}::test_row_kernel_rounds_as_torch_interpreted"], env=env, capture_output=True,
                          text=True, timeout=600)
-    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and "3 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def test_row_kernel_launch_follows_the_measured_rule():
     """Whole rows for the merged adapters' fc1 -> fc2 and the weight copies; chunks of 1024 over 4 warps where the
     LoRA output is read and the activation kept, from a GPU's worth of rows (bench/gelu_quantize.py's table)."""
     pytest.importorskip("triton")
-    assert fp8.launch_of(16384, 12288, reads_lora=False) == (16384, 16)
+    assert fp8.launch_of(16384, 12288, reads_lora=False) == (16384, 8)
     assert fp8.launch_of(16384, 12288, reads_lora=True) == (1024, 4)
-    assert fp8.launch_of(fp8.CHUNKED_MIN_ROWS - 1, 12288, reads_lora=True) == (16384, 16)
+    assert fp8.launch_of(fp8.CHUNKED_MIN_ROWS - 1, 12288, reads_lora=True) == (16384, 8)
     assert fp8.launch_of(12288, 3072, reads_lora=False) == (4096, 4)
     assert fp8.launch_of(37, 200, reads_lora=True) == (256, 4)
 
