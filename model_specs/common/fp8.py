@@ -94,8 +94,9 @@ if triton is not None:
         """g / scale clamped to e4m3's range and cast to its codes, to nearest even.  ``EMULATE`` (Triton's CPU
         interpreter, whose cast truncates): the rounding done first in float32 arithmetic on |v| -- a step of
         2^(e - 3) at exponent e, 2^-9 below the normals -- and the sign put back (a tiny negative rounds to -0, as
-        the hardware's and torch's casts give), so that the cast is exact; on a GPU the hardware's conversion
-        (bit-equal: bench/gelu_quantize.py checks it, tests/rollout/test_fp8.py too)."""
+        the hardware's and torch's casts give), so that the cast is exact; on a GPU the hardware's conversion.  Both
+        are bit-equal to torch's cast (tests/rollout/test_fp8.py); bench/gelu_quantize.py counts where the emulation
+        run on a GPU differs from the hardware's cast."""
         v = tl.minimum(tl.maximum(tl.where(m, g.to(tl.float32), 0.0) / scale, -448.0), 448.0)
         if EMULATE:
             a = tl.abs(v)

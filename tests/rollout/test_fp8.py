@@ -177,14 +177,16 @@ def _e4m3_rounding_vs_torch(device: str) -> None:
     rows = torch.cat([v, torch.full((v.shape[0], 1), E4M3_MAX)], dim=1).to(device)  # each row's max: 448 -> scale 1
     q, s = fp8.quantize_weight_rows(rows)
     assert torch.equal(s, torch.ones_like(s))
-    assert torch.equal(q.view(torch.uint8).cpu(), rows.cpu().to(fp8.E4M3).view(torch.uint8))
+    ours, theirs = q.view(torch.uint8).cpu(), rows.cpu().to(fp8.E4M3).view(torch.uint8)
+    differ = ours != theirs
+    assert not differ.any(), (f"{int(differ.sum())} codes differ: values {rows.cpu()[differ][:6].tolist()} gave bytes "
+                              f"{ours[differ][:6].tolist()}, torch's {theirs[differ][:6].tolist()}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("emulate", [False, True])  # the hardware's cast (the product's on a GPU), the emulation
-def test_row_kernel_rounds_as_torch_on_gpu(emulate, monkeypatch):
-    monkeypatch.setattr(fp8, "_EMULATE", emulate)
+def test_row_kernel_rounds_as_torch_on_gpu():
+    """The product's GPU path: the hardware's cast."""
     _e4m3_rounding_vs_torch("cuda")
 
 
