@@ -161,10 +161,11 @@ CHUNKED_MIN_ROWS = 4096  # separate adapters' rows from which the chunked launch
 
 def launch_of(rows: int, n: int, reads_lora: bool) -> tuple[int, int]:
     """(BLOCK, warps) of the row kernel, from bench/gelu_quantize.py on an H200 (bench/RESULTS.md, 2026-12-03): the
-    row whole in one program (warps by its width) for fc1 -> fc2 with the adapters merged (16384 x 12288: 0.510 ms,
-    every chunked launch 0.549-0.747) and for the weight copies; in chunks of 1024 over 4 warps when the LoRA output
-    is read and the activation kept (adapters separate: 0.610 ms against the whole row's 0.904), whose three
-    row-sized tensors crowd one program's registers."""
+    row whole in one program for fc1 -> fc2 with the adapters merged (16384 x 12288: 0.510 ms, every chunked launch
+    0.549-0.747) and for the weight copies, over at most 8 warps (the merged case 0.434 -> 0.327 ms from 16 warps to
+    8, 0.266 with the hardware's cast); in chunks of 1024 over 4 warps when the LoRA output is read and the
+    activation kept (adapters separate: 0.610 ms against the whole row's 0.904), whose three row-sized tensors crowd
+    one program's registers."""
     if reads_lora and rows >= CHUNKED_MIN_ROWS:
         return 1024, 4
     block = triton.next_power_of_2(n)
