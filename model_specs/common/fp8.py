@@ -94,9 +94,9 @@ if triton is not None:
         """g / scale clamped to e4m3's range and cast to its codes, to nearest even.  ``EMULATE`` (Triton's CPU
         interpreter, whose cast truncates): the rounding done first in float32 arithmetic on |v| -- a step of
         2^(e - 3) at exponent e, 2^-9 below the normals -- and the sign put back (a tiny negative rounds to -0, as
-        the hardware's and torch's casts give), so that the cast is exact; on a GPU the hardware's conversion.  Both
-        are bit-equal to torch's cast (tests/rollout/test_fp8.py); bench/gelu_quantize.py counts where the emulation
-        run on a GPU differs from the hardware's cast."""
+        the hardware's and torch's casts give), so that the cast is exact; on a GPU the hardware's conversion.  Each
+        is bit-equal to torch's cast where it runs (tests/rollout/test_fp8.py); the emulation compiled for a GPU gives
+        +0 for -0 (bench/gelu_quantize.py counts those codes)."""
         v = tl.minimum(tl.maximum(tl.where(m, g.to(tl.float32), 0.0) / scale, -448.0), 448.0)
         if EMULATE:
             a = tl.abs(v)
@@ -154,7 +154,7 @@ def _runs_gelu_kernel(y: torch.Tensor) -> bool:
 # a fixed (BLOCK, warps) for the row kernel instead of ``launch_of``'s (tests, bench/gelu_quantize.py)
 _LAUNCH: tuple[int, int] | None = None
 # the e4m3 rounding in float32 arithmetic (True) or the backend's cast (False) instead of the default: emulated in
-# Triton's CPU interpreter only (tests, bench/gelu_quantize.py: the two give the same codes)
+# Triton's CPU interpreter only (tests, bench/gelu_quantize.py: on a GPU the two differ in the sign of zeros)
 _EMULATE: bool | None = None
 CHUNKED_MIN_ROWS = 4096  # separate adapters' rows from which the chunked launch runs (a GPU's worth of programs)
 
