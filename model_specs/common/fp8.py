@@ -108,8 +108,8 @@ if triton is not None:
         interpreter, whose cast truncates): the rounding done first in float32 arithmetic on |v| -- a step of
         2^(e - 3) at exponent e, 2^-9 below the normals -- and the sign put back (a tiny negative rounds to -0, as
         the hardware's and torch's casts give), so that the cast is exact; on a GPU the hardware's conversion.  Each
-        is bit-equal to torch's cast where it runs (tests/rollout/test_fp8.py); the emulation compiled for a GPU gives
-        +0 for -0 (bench/gelu_quantize.py counts those codes)."""
+        is bit-equal to torch's cast where it runs (tests/rollout/test_fp8.py); bench/gelu_quantize.py counts the
+        emulation's codes compiled for a GPU against the hardware cast's."""
         v = tl.minimum(tl.maximum(tl.where(m, g.to(tl.float32), 0.0) * inv_scale, -448.0), 448.0)
         if EMULATE:
             a = tl.abs(v)
@@ -117,7 +117,8 @@ if triton is not None:
             step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
             inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
             r = ((a * inv + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: float32's round-to-nearest-even
-            v = tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)
+            sign = v.to(tl.int32, bitcast=True) & -2147483648  # v's sign bit, -0's too (a negation compiled for a
+            v = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # GPU gave +0 for -0's -r)
         return v.to(tl.float8e4nv)
 
     @triton.jit
@@ -168,7 +169,7 @@ def _runs_gelu_kernel(y: torch.Tensor) -> bool:
 # a fixed (BLOCK, warps) for the row kernel instead of ``launch_of``'s (tests, bench/gelu_quantize.py)
 _LAUNCH: tuple[int, int] | None = None
 # the e4m3 rounding in float32 arithmetic (True) or the backend's cast (False) instead of the default: emulated in
-# Triton's CPU interpreter only (tests, bench/gelu_quantize.py: on a GPU the two differ in the sign of zeros)
+# Triton's CPU interpreter only (tests; bench/gelu_quantize.py counts the codes the two give apart on a GPU)
 _EMULATE: bool | None = None
 # the GELU's sigmoid with the GPU's approximate division (True) or the IEEE one (False) instead of the default: the
 # approximate one wherever the kernel is compiled for a GPU (bench/gelu_quantize.py times both)
