@@ -8,11 +8,10 @@ GELU, the rollout's weight copies.
 Rows: the image stream's fc1 output at ``--batch`` (x 1024 tokens at 512²) with the adapters merged (no LoRA input,
 nothing kept) and separate (the LoRA output read, the activation kept for fc2's adapter), the text stream's, and
 the weight copies of fc1 / fc2.  Each row times every launch of ``fp8.LAUNCHES`` (BLOCK, warps: BLOCK >= N runs
-a row whole), the product's (``fp8.launch_of``), the product's with the e4m3 rounding emulated in float32 (what
-Triton's CPU interpreter runs) and with the GELU's IEEE division (``fp8._FAST_DIV = False``: what the GPU ran before
-the approximate one), and reports the memory traffic's rate; every launch's codes and scales must equal the whole-row
-launch's bit for bit (the same ops on the same inputs); the codes of the emulated rounding and of the IEEE division
-that differ from the product's are counted.
+a row whole), the product's (``fp8.launch_of``) and the product's with the e4m3 rounding emulated in float32 (what
+Triton's CPU interpreter runs), and reports the memory traffic's rate; every launch's codes and scales must equal
+the whole-row launch's bit for bit (the same ops on the same inputs); the emulated rounding's codes that differ from
+the hardware cast's are counted.
 GPU only (CUDA events).
 """
 from __future__ import annotations
@@ -58,44 +57,38 @@ def main(argv=None) -> None:
 
     # (launch, emulated rounding): the product's; the product's launch with the float32 rounding the CPU interpreter
     # needs (the GPU's too until 2026-12-03); each fixed launch
-    # (launch, emulated rounding, approximate division): the product's; the product's launch with the float32
-    # rounding the CPU interpreter needs (the GPU's too until 2026-12-03); with the GELU's IEEE division (the GPU's
-    # until 2026-12-03's fourth session); each fixed launch
-    launches = [(None, None, None), (None, True, None), (None, None, False),
-                *((launch, None, None) for launch in fp8.LAUNCHES)]
+    launches = [(None, None), (None, True), *((launch, None) for launch in fp8.LAUNCHES)]
     table = Table(title=f"fp8 row kernel, {torch.cuda.get_device_name()}, median of {args.repeats} (ms, GB/s)")
     table.add_column("case")
     table.add_column("rows x cols", justify="right")
-    for launch, emulate, fast_div in launches:
+    for launch, emulate in launches:
         table.add_column(("launch_of" if launch is None else f"{launch[0]} / {launch[1]}w")
-                         + (", emulated cast" if emulate else "") + (", IEEE division" if fast_div is False else ""),
-                         justify="right")
+                         + (", emulated cast" if emulate else ""), justify="right")
     g = torch.Generator(device="cuda").manual_seed(0)
-    emulated, ieee = [], []
+    emulated = []
     for name, m, n, has_bias, separate, gelu in cases(args.batch, args.text_tokens):
         y = (torch.randn(m, n, device="cuda", generator=g) * 2).bfloat16()
         bias = torch.randn(n, device="cuda", generator=g).bfloat16() if has_bias else None
         lora = (torch.randn(m, n, device="cuda", generator=g) * 0.1).bfloat16() if separate else None
         moved = y.numel() * (2 + 1) + (y.numel() * 2 * 2 if separate else 0)  # y in, codes out (+ LoRA in, a out)
         cells, whole = [], None
-        for launch, emulate, fast_div in launches:
-            fp8._LAUNCH, fp8._EMULATE, fp8._FAST_DIV = launch, emulate, fast_div
+        for launch, emulate in launches:
+            fp8._LAUNCH, fp8._EMULATE = launch, emulate
             try:
                 out = run(y, bias, lora, separate, gelu)
                 ms = median_ms(lambda: run(y, bias, lora, separate, gelu), args.repeats, warmup=3)
             finally:
-                fp8._LAUNCH = fp8._EMULATE = fp8._FAST_DIV = None
+                fp8._LAUNCH = fp8._EMULATE = None
             codes = (out[1].view(torch.uint8), out[2])
-            if (launch, emulate, fast_div) == (fp8.LAUNCHES[0], None, None):
+            if (launch, emulate) == (fp8.LAUNCHES[0], None):
                 whole = codes
             cells.append((ms, codes))
-        for (launch, emulate, fast_div), (_, (q, s)) in zip(launches, cells):
-            if emulate or fast_div is False:  # reported, not required: other roundings than the product's
+        for (launch, emulate), (_, (q, s)) in zip(launches, cells):
+            if emulate:  # reported, not required: the float32 rounding is the CPU interpreter's
                 differ = q != whole[0]
-                (emulated if emulate else ieee).append(
-                    f"{name}: {int(differ.sum())} of {q.numel()} codes differ from the product's"
-                    + (f", e.g. bytes {q[differ][:4].tolist()} for {whole[0][differ][:4].tolist()}"
-                       if differ.any() else ""))
+                emulated.append(f"{name}: {int(differ.sum())} of {q.numel()} codes differ from the hardware cast's"
+                                + (f", e.g. bytes {q[differ][:4].tolist()} for {whole[0][differ][:4].tolist()}"
+                                   if differ.any() else ""))
             elif not (torch.equal(q, whole[0]) and torch.equal(s, whole[1])):
                 raise SystemExit(f"{name}: the launch {launch or 'launch_of'}'s codes or scales differ from the "
                                  f"whole-row launch's")
@@ -104,8 +97,6 @@ def main(argv=None) -> None:
                      "and the activation written) / time; every launch's codes and scales equal the whole-row one's")
     Console(width=220).print(table)
     print("the emulated rounding against the hardware's cast:", *emulated, sep="\n  ")
-    print("the GELU's IEEE division against the approximate one (one float32 ulp before the bf16 and e4m3 roundings):",
-          *ieee, sep="\n  ")
 
 
 if __name__ == "__main__":

@@ -76,13 +76,8 @@ def _gelu_quantize_reference(y_MN, bias_N, lora_MN):
 
 if triton is not None:
     @triton.jit
-    def _activation(y, bias, lora, at, cols, m, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, GELU: tl.constexpr,
-                    FAST_DIV: tl.constexpr):
-        """gelu_tanh((y + lora) + b) at ``at`` in y's dtype, each step rounded as eager rounds it.  ``FAST_DIV`` (a
-        GPU): the sigmoid's division by the hardware's full-range approximate one (``div.full.f32``, 2 ulp of
-        float32, far below the bf16 rounding after it) instead of the IEEE one, the kernel's costliest instruction
-        (bench/gelu_quantize.py times both); inline PTX, which Triton's CPU interpreter
-        cannot run."""
+    def _activation(y, bias, lora, at, cols, m, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, GELU: tl.constexpr):
+        """gelu_tanh((y + lora) + b) at ``at`` in y's dtype, each step rounded as eager rounds it."""
         x = tl.load(y + at, mask=m, other=0.0)
         if HAS_LORA:
             x = (x.to(tl.float32) + tl.load(lora + at, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
@@ -91,13 +86,7 @@ if triton is not None:
         if GELU:
             xf = x.to(tl.float32)
             inner = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)  # sqrt(2 / pi) (x + 0.044715 x^3)
-            if FAST_DIV:  # 1 + tanh(z) = 2 sigmoid(2 z) = 2 / (1 + exp(-2 z))
-                t = tl.inline_asm_elementwise("div.full.f32 $0, $1, $2;", "=r,r,r",
-                                              [tl.full(inner.shape, 2.0, tl.float32), 1.0 + tl.exp(-2.0 * inner)],
-                                              dtype=tl.float32, is_pure=True, pack=1)
-            else:
-                t = 2.0 * tl.sigmoid(2.0 * inner)
-            x = (0.5 * xf * t).to(x.dtype)
+            x = (0.5 * xf * (2.0 * tl.sigmoid(2.0 * inner))).to(x.dtype)  # 1 + tanh(z) = 2 sigmoid(2 z)
         return x
 
     @triton.jit
@@ -124,7 +113,7 @@ if triton is not None:
     @triton.jit
     def _gelu_quantize_kernel(y, bias, lora, a_out, q_out, s_out, N: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_LORA: tl.constexpr, KEEP: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr,
-                              EMULATE: tl.constexpr, FAST_DIV: tl.constexpr):
+                              EMULATE: tl.constexpr):
         """One program per row.  BLOCK >= N: the row whole in registers, read once.  Else in chunks of BLOCK: a
         first pass for the row's maximum (writing the kept activation), a second that recomputes each chunk from
         y (a re-read the L2 cache mostly serves: the row was read a moment before) and writes its codes; the
@@ -134,7 +123,7 @@ if triton is not None:
         if BLOCK >= N:
             cols = tl.arange(0, BLOCK)
             m = cols < N
-            g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU, FAST_DIV)
+            g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU)
             if KEEP:
                 tl.store(a_out + base + cols, g, mask=m)
             scale = tl.maximum(tl.max(tl.abs(tl.where(m, g.to(tl.float32), 0.0)), axis=0) / 448.0, 1e-12)
@@ -144,7 +133,7 @@ if triton is not None:
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 m = cols < N
-                g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU, FAST_DIV)
+                g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU)
                 if KEEP:
                     tl.store(a_out + base + cols, g, mask=m)
                 amax = tl.maximum(amax, tl.abs(tl.where(m, g.to(tl.float32), 0.0)))
@@ -153,7 +142,7 @@ if triton is not None:
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 m = cols < N
-                g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU, FAST_DIV)
+                g = _activation(y, bias, lora, base + cols, cols, m, HAS_BIAS, HAS_LORA, GELU)
                 tl.store(q_out + base + cols, _e4m3_codes(g, inv_scale, m, EMULATE), mask=m)
         tl.store(s_out + row, scale)
 
@@ -171,9 +160,6 @@ _LAUNCH: tuple[int, int] | None = None
 # the e4m3 rounding in float32 arithmetic (True) or the backend's cast (False) instead of the default: emulated in
 # Triton's CPU interpreter only (tests; bench/gelu_quantize.py counts the codes the two give apart on a GPU)
 _EMULATE: bool | None = None
-# the GELU's sigmoid with the GPU's approximate division (True) or the IEEE one (False) instead of the default: the
-# approximate one wherever the kernel is compiled for a GPU (bench/gelu_quantize.py times both)
-_FAST_DIV: bool | None = None
 CHUNKED_MIN_ROWS = 4096  # separate adapters' rows from which the chunked launch runs (a GPU's worth of programs)
 
 
@@ -195,7 +181,7 @@ def _row_kernel(y_MN, bias, lora, a, q, s, has_bias: bool, has_lora: bool, keep:
     block, warps = _LAUNCH or launch_of(m, n, has_lora or keep)
     _gelu_quantize_kernel[(m,)](y_MN, bias, lora, a, q, s, N=n, HAS_BIAS=has_bias, HAS_LORA=has_lora, KEEP=keep,
                                 GELU=gelu, BLOCK=block, EMULATE=not y_MN.is_cuda if _EMULATE is None else _EMULATE,
-                                FAST_DIV=y_MN.is_cuda if _FAST_DIV is None else _FAST_DIV, num_warps=warps)
+                                num_warps=warps)
 
 
 @torch.library.custom_op("megatron_omni::gelu_quantize_rows", mutates_args=())
