@@ -158,7 +158,8 @@ TINY = ["train.steps=2", "train.micro_batch_size=8", "train.global_batch_size=16
 def test_lora_run_with_merged_rollout_trains_on_the_trainers_old_policy(tmp_path, single_rank):
     """``rollout.lora_weights=merged`` in the loop: the engine's adapters are merged, π_old is the trainer's (with
     one optimizer step per RL step every ratio is exactly 1), the rollout's log-probs are logged against it (as the
-    separate adapters' in the first step, where B = 0 makes W + s B A = W; further off in the second), the merged copies are freed for the
+    separate adapters' in the first step, where B = 0 makes W + s B A = W; within rounding in the second, after the
+    first moved B), the merged copies are freed for the
     trainer's phase, and the rollout's FLOPs lose the adapters'.  On a CPU ``auto`` resolves to separate, with the
     rollout's π_old."""
     from megatron_omni.algorithms.flow_grpo.algorithm import FlowGRPO
@@ -173,7 +174,12 @@ def test_lora_run_with_merged_rollout_trains_on_the_trainers_old_policy(tmp_path
     first, second = [json.loads(line) for line in (tmp_path / "merged" / "metrics.jsonl").read_text().splitlines()]
     for m in (first, second):
         assert m["ratio_mean"] == 1.0 and m["ratio_std"] == 0.0 and m["clipfrac_below"] == 0.0
-    assert second["logprob_pearson"] > 0.99 and second["logprob_abs_diff"] > first["logprob_abs_diff"]
+    # the first step moved the adapters (B != 0), so the second rollout ran on rebuilt copies W + s B A; its log-probs
+    # still agree with the trainer's separate adapters (on some CPUs bit for bit: the adapters' share is below
+    # float32's rounding of W there -- ATEN_CPU_CAPABILITY=avx2 on an AMD EPYC -- so no strict increase is asserted)
+    moved = [m.lora_B for m in run.policy.module.modules() if hasattr(m, "lora_B")]
+    assert moved and any(bool(b.detach().abs().max() > 0) for b in moved)
+    assert second["logprob_pearson"] > 0.99 and second["logprob_abs_diff"] < 1e-3
     auto = load_config("digits_flow_grpo", None, TINY + ["train.steps=1"])
     run_auto, _ = train(auto, single_rank, task, tmp_path / "auto")
     assert run_auto.cfg.rollout.lora_weights == "separate" and run_auto.engine.merged == 0
