@@ -177,8 +177,8 @@ def test_lora_run_with_merged_rollout_trains_on_the_trainers_old_policy(tmp_path
     # the first step moved the adapters (B != 0), so the second rollout ran on rebuilt copies W + s B A; its log-probs
     # still agree with the trainer's separate adapters (on some CPUs bit for bit: the adapters' share is below
     # float32's rounding of W there -- ATEN_CPU_CAPABILITY=avx2 on an AMD EPYC -- so no strict increase is asserted)
-    moved = [m.lora_B for m in run.policy.module.modules() if hasattr(m, "lora_B")]
-    assert moved and any(bool(b.detach().abs().max() > 0) for b in moved)
+    adapters = lora_modules(run.policy.module).values()
+    assert adapters and any(bool(m.lora_B.detach().abs().max() > 0) for m in adapters)
     assert second["logprob_pearson"] > 0.99 and second["logprob_abs_diff"] < 1e-3
     auto = load_config("digits_flow_grpo", None, TINY + ["train.steps=1"])
     run_auto, _ = train(auto, single_rank, task, tmp_path / "auto")
