@@ -9,9 +9,10 @@ Rows: the image stream's fc1 output at ``--batch`` (x 1024 tokens at 512²) with
 nothing kept) and separate (the LoRA output read, the activation kept for fc2's adapter), the text stream's, and
 the weight copies of fc1 / fc2.  Each row times every launch of ``fp8.LAUNCHES`` (BLOCK, warps: BLOCK >= N runs
 a row whole), the product's (``fp8.launch_of``) and the product's with the e4m3 rounding emulated in float32 (what
-Triton's CPU interpreter runs), and reports the memory traffic's rate; every launch's codes and scales must equal
-the whole-row launch's bit for bit (the same ops on the same inputs); the emulated rounding's codes that differ from
-the hardware cast's are counted.
+Triton's CPU interpreter runs), the product's with GELU's exact tanh instead of the hardware's ``tanh.approx.f32``
+(``fp8.TANH_APPROX``), and reports the memory traffic's rate; every launch's codes and scales must equal the
+whole-row launch's bit for bit (the same ops on the same inputs); the codes of the emulated rounding and of the
+exact tanh that differ from the product's are counted.
 GPU only (CUDA events).
 """
 from __future__ import annotations
@@ -55,15 +56,18 @@ def main(argv=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    # (launch, emulated rounding): the product's; the product's launch with the float32 rounding the CPU interpreter
-    # needs (the GPU's too until 2026-12-03); each fixed launch
-    launches = [(None, None), (None, True), *((launch, None) for launch in fp8.LAUNCHES)]
+    # (launch, emulated rounding, tanh.approx): the product's; the product's launch with the float32 rounding the CPU
+    # interpreter needs (the GPU's too until 2026-12-03); with the exact tanh; each fixed launch
+    default = fp8.TANH_APPROX
+    launches = [(None, None, default), (None, True, default), (None, None, False),
+                *((launch, None, default) for launch in fp8.LAUNCHES)]
     table = Table(title=f"fp8 row kernel, {torch.cuda.get_device_name()}, median of {args.repeats} (ms, GB/s)")
     table.add_column("case")
     table.add_column("rows x cols", justify="right")
-    for launch, emulate in launches:
+    for launch, emulate, approx in launches:
         table.add_column(("launch_of" if launch is None else f"{launch[0]} / {launch[1]}w")
-                         + (", emulated cast" if emulate else ""), justify="right")
+                         + (", emulated cast" if emulate else "") + ("" if approx == default else ", exact tanh"),
+                         justify="right")
     g = torch.Generator(device="cuda").manual_seed(0)
     emulated = []
     for name, m, n, has_bias, separate, gelu in cases(args.batch, args.text_tokens):
@@ -72,21 +76,22 @@ def main(argv=None) -> None:
         lora = (torch.randn(m, n, device="cuda", generator=g) * 0.1).bfloat16() if separate else None
         moved = y.numel() * (2 + 1) + (y.numel() * 2 * 2 if separate else 0)  # y in, codes out (+ LoRA in, a out)
         cells, whole = [], None
-        for launch, emulate in launches:
-            fp8._LAUNCH, fp8._EMULATE = launch, emulate
+        for launch, emulate, approx in launches:
+            fp8._LAUNCH, fp8._EMULATE, fp8.TANH_APPROX = launch, emulate, approx
             try:
                 out = run(y, bias, lora, separate, gelu)
                 ms = median_ms(lambda: run(y, bias, lora, separate, gelu), args.repeats, warmup=3)
             finally:
-                fp8._LAUNCH = fp8._EMULATE = None
+                fp8._LAUNCH, fp8._EMULATE, fp8.TANH_APPROX = None, None, default
             codes = (out[1].view(torch.uint8), out[2])
-            if (launch, emulate) == (fp8.LAUNCHES[0], None):
+            if (launch, emulate, approx) == (fp8.LAUNCHES[0], None, default):
                 whole = codes
             cells.append((ms, codes))
-        for (launch, emulate), (_, (q, s)) in zip(launches, cells):
-            if emulate:  # reported, not required: the float32 rounding is the CPU interpreter's
+        for (launch, emulate, approx), (_, (q, s)) in zip(launches, cells):
+            if emulate or approx != default:  # reported, not required: the interpreter's rounding, the exact tanh
                 differ = q != whole[0]
-                emulated.append(f"{name}: {int(differ.sum())} of {q.numel()} codes differ from the hardware cast's"
+                what = "the emulated cast" if emulate else "the exact tanh"
+                emulated.append(f"{name}, {what}: {int(differ.sum())} of {q.numel()} codes differ from the product's"
                                 + (f", e.g. bytes {q[differ][:4].tolist()} for {whole[0][differ][:4].tolist()}"
                                    if differ.any() else ""))
             elif not (torch.equal(q, whole[0]) and torch.equal(s, whole[1])):
@@ -96,7 +101,7 @@ def main(argv=None) -> None:
     table.caption = ("GB/s = bytes the kernel must move (y read, e4m3 codes written; separate: + the LoRA output read "
                      "and the activation written) / time; every launch's codes and scales equal the whole-row one's")
     Console(width=220).print(table)
-    print("the emulated rounding against the hardware's cast:", *emulated, sep="\n  ")
+    print("the emulated rounding and the exact tanh against the product's kernel:", *emulated, sep="\n  ")
 
 
 if __name__ == "__main__":

@@ -194,9 +194,34 @@ def test_row_kernel_rounds_as_torch_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("launch", [None, (16384, 16), (2048, 4)])  # the product's launch_of, whole rows, chunks
-def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype, launch, monkeypatch):
+@pytest.mark.parametrize("tanh_approx", [True, False])  # the product's GELU (bf16: tanh.approx.f32), the exact tanh
+def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype, launch, tanh_approx, monkeypatch):
     monkeypatch.setattr(fp8, "_LAUNCH", launch)
+    monkeypatch.setattr(fp8, "TANH_APPROX", tanh_approx)
     _gelu_quantize_vs_reference("cuda", dtype, n=12288)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gelu_tanh_approximation_moves_few_codes_by_one_step_on_gpu(monkeypatch):
+    """The product's GELU on bf16 rows (``fp8.TANH_APPROX``: the hardware's tanh.approx.f32) against the exact tanh's:
+    the instruction is in use (some codes differ: on random rows ~0.1 %), each differing code is one e4m3 step
+    from the exact one, the scales within bf16's rounding of the row maximum; float32 rows keep the exact tanh."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    y = (torch.randn(2048, 12288, device="cuda", generator=g) * 2).bfloat16()
+    bias = torch.randn(12288, device="cuda", generator=g).bfloat16()
+    _, q, s = fp8.gelu_quantize_rows(y, bias, None, False)
+    monkeypatch.setattr(fp8, "TANH_APPROX", False)
+    _, rq, rs = fp8.gelu_quantize_rows(y, bias, None, False)
+    differ = q.view(torch.uint8) != rq.view(torch.uint8)
+    assert 0 < differ.float().mean() < 1e-2, float(differ.float().mean())
+    step = (rq.float().abs() * 2.0 ** -3).clamp_min(2.0 ** -9)
+    assert ((q.float() - rq.float()).abs() <= step + 1e-6).all()
+    torch.testing.assert_close(s, rs, rtol=2 ** -7, atol=0)
+    y32, exact32 = y.float()[:64], fp8.gelu_quantize_rows(y.float()[:64], bias.float(), None, False)[1]
+    monkeypatch.setattr(fp8, "TANH_APPROX", True)
+    assert torch.equal(fp8.gelu_quantize_rows(y32, bias.float(), None, False)[1].view(torch.uint8),
+                       exact32.view(torch.uint8))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter only")
