@@ -170,9 +170,10 @@ _LAUNCH: tuple[int, int] | None = None
 _EMULATE: bool | None = None
 # the GELU's tanh by the GPU's tanh.approx.f32 for 16-bit activations (CUDA only: Triton's CPU interpreter runs no
 # PTX; float32 ones keep the exact tanh, their rounding being finer than the instruction's error).  On an H200 the
-# merged case's kernel 0.266 -> 0.188 ms, at the cast-only floor (0.193), with 0.13 % of the codes one e4m3 step from
-# torch's GELU (bench/RESULTS.md, 2026-12-03); bench/gelu_quantize.py and tests/rollout/test_fp8.py set it both ways
-TANH_APPROX = True
+# merged case's kernel 0.284 -> 0.214 ms with 0.14 % of the codes one e4m3 step from torch's GELU, but the FP8 step
+# A/B on one machine gave no gain (sampling 5.893 -> 5.884 s, DiT side 1.880 -> 1.886 image/s: bench/RESULTS.md,
+# 2026-12-03), so the exact tanh stays the default; bench/gelu_quantize.py and tests/rollout/test_fp8.py run both
+TANH_APPROX = False
 CHUNKED_MIN_ROWS = 4096  # separate adapters' rows from which the chunked launch runs (a GPU's worth of programs)
 
 
@@ -204,8 +205,8 @@ def gelu_quantize_rows(y_MN: torch.Tensor, bias_N: torch.Tensor | None, lora_MN:
     """fc1's FP8 output to fc2's FP8 input in one kernel: (a [M, N] = gelu_tanh((y + lora) + b) in y's dtype, or an
     empty tensor unless ``keep_activation`` (what fc2's LoRA adapter reads), Q [M, N] e4m3, s [M, 1] float32)
     with a ≈ s Q per row, ``quantize_rows(a)``.  One Triton program per row reads y (and the LoRA output) from
-    memory once and writes Q (and a) once; elsewhere the same math as torch ops.  On a GPU with 16-bit y, GELU's
-    tanh is the hardware's approximation (``TANH_APPROX``): a value can round one step from torch's."""
+    memory once and writes Q (and a) once; elsewhere the same math as torch ops.  With ``TANH_APPROX`` on a GPU and
+    16-bit y, GELU's tanh is the hardware's approximation: a value can round one step from torch's."""
     if not _runs_gelu_kernel(y_MN):
         a, q, s = _gelu_quantize_reference(y_MN, bias_N, lora_MN)
         return (a if keep_activation else a.new_empty(0)), q, s

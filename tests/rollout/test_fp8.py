@@ -194,7 +194,7 @@ def test_row_kernel_rounds_as_torch_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("launch", [None, (16384, 16), (2048, 4)])  # the product's launch_of, whole rows, chunks
-@pytest.mark.parametrize("tanh_approx", [True, False])  # the product's GELU (bf16: tanh.approx.f32), the exact tanh
+@pytest.mark.parametrize("tanh_approx", [False, True])  # the exact tanh (the default), tanh.approx.f32 (bf16)
 def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype, launch, tanh_approx, monkeypatch):
     monkeypatch.setattr(fp8, "_LAUNCH", launch)
     monkeypatch.setattr(fp8, "TANH_APPROX", tanh_approx)
@@ -204,12 +204,13 @@ def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype, launch, tanh_approx
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gelu_tanh_approximation_moves_few_codes_by_one_step_on_gpu(monkeypatch):
-    """The product's GELU on bf16 rows (``fp8.TANH_APPROX``: the hardware's tanh.approx.f32) against the exact tanh's:
+    """GELU on bf16 rows with ``fp8.TANH_APPROX`` (the hardware's tanh.approx.f32) against the exact tanh's:
     the instruction is in use (some codes differ: on random rows ~0.1 %), each differing code is one e4m3 step
     from the exact one, the scales within bf16's rounding of the row maximum; float32 rows keep the exact tanh."""
     g = torch.Generator(device="cuda").manual_seed(5)
     y = (torch.randn(2048, 12288, device="cuda", generator=g) * 2).bfloat16()
     bias = torch.randn(12288, device="cuda", generator=g).bfloat16()
+    monkeypatch.setattr(fp8, "TANH_APPROX", True)
     _, q, s = fp8.gelu_quantize_rows(y, bias, None, False)
     monkeypatch.setattr(fp8, "TANH_APPROX", False)
     _, rq, rs = fp8.gelu_quantize_rows(y, bias, None, False)
