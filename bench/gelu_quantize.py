@@ -67,7 +67,8 @@ def main(argv=None) -> None:
     for launch, emulate, approx in launches:
         table.add_column(("launch_of" if launch is None else f"{launch[0]} / {launch[1]}w")
                          + (", emulated cast" if emulate else "")
-                         + ("" if approx == default else ", tanh.approx" if approx else ", exact tanh"), justify="right")
+                         + ("" if approx == default else ", tanh.approx" if approx else ", exact tanh"),
+                         justify="right")
     g = torch.Generator(device="cuda").manual_seed(0)
     emulated = []
     for name, m, n, has_bias, separate, gelu in cases(args.batch, args.text_tokens):
