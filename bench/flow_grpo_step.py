@@ -4,7 +4,7 @@ at one GPU's share of its shape, timed as the product runs it, beside the diffus
     python bench/flow_grpo_step.py [--model DIR | --layers 60 --text-layers 28 --build-dir DIR] [--steps 5] [--warmup N]
                                    [--group 16] [--prompts 1] [--micro-batch 4] [--compile default]
                                    [--compile-train default] [--reward NAME] [--no-reuse-uncond]
-                                   [--skip-reference] [--profile]
+                                   [--skip-reference] [--profile [step|train]]
     python bench/flow_grpo_step.py --smoke      # tiny folder on the CPU: checks the script runs; times mean nothing
     torchrun --nproc-per-node 2 bench/flow_grpo_step.py --smoke --pp 2   # the loop at a layout (gloo on the CPU)
 
@@ -44,7 +44,8 @@ The reward is the recipe's (``ocr``: tesseract) unless ``--reward`` names anothe
 installed (the GPU machine) it falls back to ``jpeg_compressibility`` with a note.
 
 Reference: the diffusers + peft loop (bench/_flow_grpo_reference.py), rollout -> train, DiT side only, on the same
-transformer config at the text lengths ours ran (random embeddings, no text encoder, VAE or reward).  The two
+transformer config at the text lengths ours ran (random embeddings, no text encoder, VAE or reward), training in
+micro-batches of 4 pairs as docs/benchmarks.md defines the peer loop, whatever ``--micro-batch`` gives ours.  The two
 models are never resident together: ours is freed before the reference is built.  Its MFU counts its work with the
 same FLOP counters (26 forwards per image: it recomputes the uncond rows in training).
 """
@@ -171,7 +172,7 @@ def _text_lengths(run, step: int) -> tuple[float, int]:
     return statistics.mean(tokens(r.prompt) for r in requests), tokens(requests[0].negative_prompt)
 
 
-def run_ours(cfg, steps: int, warmup: int, profile: bool) -> tuple[LoopResult, dict]:
+def run_ours(cfg, steps: int, warmup: int, profile: str | None) -> tuple[LoopResult, dict]:
     """The product's loop: build_run, then rl_step; (result, the shape it ran for the reference)."""
     from megatron_omni.data.tasks import task_for
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
@@ -219,7 +220,7 @@ def run_ours(cfg, steps: int, warmup: int, profile: bool) -> tuple[LoopResult, d
                             f"{len(task.eval_prompts)} held out), the last step's {prompt_tokens:.0f} prompt tokens "
                             f"on average, {negative_tokens} for the negative prompt; image grid {task.img_fhw}")
         if profile and device.type == "cuda":
-            _profile(run, rl_step, first + warmup + steps)
+            _profile(run, rl_step, first + warmup + steps, profile)
     except torch.OutOfMemoryError as e:
         result.error = f"out of memory ({str(e).splitlines()[0]}); --layers N / --text-layers N shrink the model"
     finally:
@@ -232,10 +233,32 @@ def run_ours(cfg, steps: int, warmup: int, profile: bool) -> tuple[LoopResult, d
     return result, shape
 
 
-def _profile(run, rl_step, step: int) -> None:
-    """One more step with the host's waits for the device listed, then one more under the profiler."""
+def _profile(run, rl_step, step: int, what: str) -> None:
+    """'step': one more step with the host's waits for the device listed, then one more under the profiler;
+    'train': one more step with only its training phase (the algorithm's ``train``) under the profiler."""
     from _profile import profile_kernels, sync_points
 
+    if what == "train":
+        algorithm, train = run.algorithm, run.algorithm.train
+        result = {}
+
+        def profiled_train(*args, **kwargs):
+            before = torch.cuda.memory_stats()
+            profile_kernels(lambda: result.setdefault("out", train(*args, **kwargs)),
+                            "ours, one more RL step's training phase", top=24, host=True)
+            after = torch.cuda.memory_stats()
+            # the caching allocator's device calls: a retry frees the cache (a device-wide synchronisation)
+            print("  caching allocator during the phase: " + ", ".join(
+                f"{key} +{after.get(key, 0) - before.get(key, 0)}" for key in
+                ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
+            return result["out"]
+
+        object.__setattr__(algorithm, "train", profiled_train)  # this instance only, for one step
+        try:
+            rl_step(run, step)
+        finally:
+            object.__delattr__(algorithm, "train")
+        return
     print("--- ours, one more RL step: where the host waits for the device ---")
     sync_points(lambda: rl_step(run, step))
     profile_kernels(lambda: rl_step(run, step + 1), "ours, one more RL step", top=14, host=True)
@@ -383,7 +406,9 @@ def main(argv=None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more override of the run config (repeatable), e.g. --set rollout.fuse=false")
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
-    p.add_argument("--profile", action="store_true", help="after ours' timed steps, list where a step's host waits")
+    p.add_argument("--profile", nargs="?", const="step", choices=("step", "train"),
+                   help="after ours' timed steps: 'step' (the default) lists where a whole RL step's host waits and "
+                        "its kernels; 'train' profiles one more step's training phase alone (kernels, host ops, idle)")
     p.add_argument("--smoke", action="store_true", help="tiny folder on the CPU: checks the script")
     for flag, what in (("--tp", "tensor"), ("--cp", "context (Ulysses x ring)"), ("--ulysses", "Ulysses (inside cp)"),
                        ("--pp", "pipeline")):
@@ -422,7 +447,9 @@ def main(argv=None) -> None:
             results.append(run_reference(recipe, steps))
             notes.append(f"reference: the same transformer config (random init, normal 0.02), random text "
                          f"embeddings of {recipe.text_tokens} prompt / {recipe.uncond_tokens} negative tokens (ours' "
-                         f"lengths), a static shift; training recomputes the uncond rows under no_grad")
+                         f"lengths), a static shift; training in micro-batches of {recipe.reference_micro_batch} "
+                         f"pairs (the peer loop's, whatever --micro-batch gives ours), the uncond rows recomputed "
+                         f"under no_grad")
         if rank == 0:
             print_table(cfg, results, steps, notes, args.smoke)
     finally:
