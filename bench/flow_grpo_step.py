@@ -4,7 +4,7 @@ at one GPU's share of its shape, timed as the product runs it, beside the diffus
     python bench/flow_grpo_step.py [--model DIR | --layers 60 --text-layers 28 --build-dir DIR] [--steps 5] [--warmup N]
                                    [--group 16] [--prompts 1] [--micro-batch 4] [--compile default]
                                    [--compile-train default] [--reward NAME] [--no-reuse-uncond]
-                                   [--skip-reference] [--profile [step|train]]
+                                   [--skip-reference] [--profile [step | sampling train]]
     python bench/flow_grpo_step.py --smoke      # tiny folder on the CPU: checks the script runs; times mean nothing
     torchrun --nproc-per-node 2 bench/flow_grpo_step.py --smoke --pp 2   # the loop at a layout (gloo on the CPU)
 
@@ -172,7 +172,7 @@ def _text_lengths(run, step: int) -> tuple[float, int]:
     return statistics.mean(tokens(r.prompt) for r in requests), tokens(requests[0].negative_prompt)
 
 
-def run_ours(cfg, steps: int, warmup: int, profile: str | None) -> tuple[LoopResult, dict]:
+def run_ours(cfg, steps: int, warmup: int, profile: tuple[str, ...]) -> tuple[LoopResult, dict]:
     """The product's loop: build_run, then rl_step; (result, the shape it ran for the reference)."""
     from megatron_omni.data.tasks import task_for
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
@@ -233,35 +233,62 @@ def run_ours(cfg, steps: int, warmup: int, profile: str | None) -> tuple[LoopRes
     return result, shape
 
 
-def _profile(run, rl_step, step: int, what: str) -> None:
+def profile_phases(parser, given: list[str] | None) -> tuple[str, ...]:
+    """--profile's phases: () without the flag, ('step',) for the bare flag."""
+    if given is None:
+        return ()
+    if not given:
+        return ("step",)
+    if "step" in given and len(set(given)) > 1:
+        parser.error(f"--profile {' '.join(given)}: 'step' profiles a whole step on its own; expected 'step' alone, "
+                     f"or 'sampling' and / or 'train'")
+    return tuple(dict.fromkeys(given))
+
+
+PROFILED_PHASES = {"sampling": ("engine", "generate", "the engine's sampling (generate)"),
+                   "train": ("algorithm", "train", "training phase")}
+
+
+def _profile(run, rl_step, step: int, what: tuple[str, ...]) -> None:
     """'step': one more step with the host's waits for the device listed, then one more under the profiler;
-    'train': one more step with only its training phase (the algorithm's ``train``) under the profiler."""
+    'sampling' / 'train' (either or both): one more step with only that phase under the profiler -- the engine's
+    generate, the algorithm's ``train`` -- each on its own (kernels, host ops, idle gaps, the caching allocator)."""
     from _profile import profile_kernels, sync_points
 
-    if what == "train":
-        algorithm, train = run.algorithm, run.algorithm.train
-        result = {}
-
-        def profiled_train(*args, **kwargs):
-            before = torch.cuda.memory_stats()
-            profile_kernels(lambda: result.setdefault("out", train(*args, **kwargs)),
-                            "ours, one more RL step's training phase", top=24, host=True)
-            after = torch.cuda.memory_stats()
-            # the caching allocator's device calls: a retry frees the cache (a device-wide synchronisation)
-            print("  caching allocator during the phase: " + ", ".join(
-                f"{key} +{after.get(key, 0) - before.get(key, 0)}" for key in
-                ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
-            return result["out"]
-
-        object.__setattr__(algorithm, "train", profiled_train)  # this instance only, for one step
-        try:
-            rl_step(run, step)
-        finally:
-            object.__delattr__(algorithm, "train")
+    if "step" in what:
+        print("--- ours, one more RL step: where the host waits for the device ---")
+        sync_points(lambda: rl_step(run, step))
+        profile_kernels(lambda: rl_step(run, step + 1), "ours, one more RL step", top=14, host=True)
         return
-    print("--- ours, one more RL step: where the host waits for the device ---")
-    sync_points(lambda: rl_step(run, step))
-    profile_kernels(lambda: rl_step(run, step + 1), "ours, one more RL step", top=14, host=True)
+    patched = []
+    for phase in what:
+        owner_name, attr, title = PROFILED_PHASES[phase]
+        owner = getattr(run, owner_name)
+        patched.append((owner, attr))
+        object.__setattr__(owner, attr, _profiled(getattr(owner, attr), f"ours, one more RL step's {title}"))
+    try:
+        rl_step(run, step)
+    finally:
+        for owner, attr in patched:  # these instances only, for one step
+            object.__delattr__(owner, attr)
+
+
+def _profiled(method, title: str):
+    """``method`` run once under the profiler (kernels, host ops, idle) with the caching allocator's device calls
+    during it."""
+    from _profile import profile_kernels
+
+    def profiled(*args, **kwargs):
+        result, before = {}, torch.cuda.memory_stats()
+        profile_kernels(lambda: result.setdefault("out", method(*args, **kwargs)), title, top=24, host=True)
+        after = torch.cuda.memory_stats()
+        # the caching allocator's device calls: a retry frees the cache (a device-wide synchronisation)
+        print("  caching allocator during the phase: " + ", ".join(
+            f"{key} +{after.get(key, 0) - before.get(key, 0)}" for key in
+            ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
+        return result["out"]
+
+    return profiled
 
 
 def run_reference(recipe: Recipe, steps: int) -> LoopResult:
@@ -406,9 +433,10 @@ def main(argv=None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more override of the run config (repeatable), e.g. --set rollout.fuse=false")
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
-    p.add_argument("--profile", nargs="?", const="step", choices=("step", "train"),
-                   help="after ours' timed steps: 'step' (the default) lists where a whole RL step's host waits and "
-                        "its kernels; 'train' profiles one more step's training phase alone (kernels, host ops, idle)")
+    p.add_argument("--profile", nargs="*", choices=("step", "sampling", "train"), metavar="PHASE",
+                   help="after ours' timed steps: 'step' (alone: the default) lists where a whole RL step's host "
+                        "waits and its kernels; 'sampling' and / or 'train' profile one more step's engine sampling "
+                        "/ training phase alone (kernels, host ops, idle gaps)")
     p.add_argument("--smoke", action="store_true", help="tiny folder on the CPU: checks the script")
     for flag, what in (("--tp", "tensor"), ("--cp", "context (Ulysses x ring)"), ("--ulysses", "Ulysses (inside cp)"),
                        ("--pp", "pipeline")):
@@ -436,7 +464,7 @@ def main(argv=None) -> None:
         reward, reward_note = reward_name(args)
         cfg = run_config(args, folder, scratch / "run", reward, args.warmup + steps + 3)
         notes = [f"model.path: {about}"] + ([reward_note] if reward_note else [])
-        ours, shape = run_ours(cfg, steps, args.warmup, args.profile)
+        ours, shape = run_ours(cfg, steps, args.warmup, profile_phases(p, args.profile))
         results = [ours]
         if world > 1:
             notes.append(f"{world} ranks (torchrun): tp {args.tp} x cp {args.cp} x pp {args.pp} x dp "
