@@ -34,6 +34,11 @@ class EngineConfig:
     # trainer's op sequence; auto = merged on an accelerator (the trainer resolves it: merged when the memory
     # estimate with the copies fits the device), separate on a CPU
     lora_weights: Literal["auto", "merged", "separate"] = "auto"
+    # under rollout.compile: a batch's first denoising step runs with torch.compile's full guard checks (compiling
+    # what it must) and the later steps, whose inputs have that step's shapes, dtypes and flags, check only the guards
+    # that tell the compiled graphs apart (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): the guard
+    # evaluation is host work at each of the 60 blocks' calls per forward; false = full checks at every step
+    skip_repeat_guards: bool = True
 
     def check_engine(self) -> None:
         """Raise ValueError naming the engine setting that cannot work."""

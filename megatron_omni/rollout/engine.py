@@ -454,8 +454,10 @@ class EmbeddedEngine:
             n_img = x.shape[1]
             if context_BSC is not None:
                 x = torch.cat([x, context_BSC], dim=1)
-            outs = [self.model(torch.cat([x] * rows) if rows > 1 else x, txt, sigmas_N1[i].expand(rows * x.shape[0]),
-                               fhw, mask, **extras, **steps[i]) for txt, mask, extras, rows in forwards]
+            with self._guards(i):
+                outs = [self.model(torch.cat([x] * rows) if rows > 1 else x, txt,
+                                   sigmas_N1[i].expand(rows * x.shape[0]), fhw, mask, **extras, **steps[i])
+                        for txt, mask, extras, rows in forwards]
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if context_BSC is not None:
                 out = out[:, :n_img]
@@ -467,6 +469,15 @@ class EmbeddedEngine:
             return cfg_combine(v_cond, v_uncond, r0.guidance_scale, r0.cfg_rescale)
 
         return velocity
+
+    def _guards(self, step: int):
+        """The compiled blocks' guard checks at denoising step ``step`` of a batch: full at its first step, then
+        (``skip_repeat_guards``) only the guards that tell the compiled graphs apart -- every later step repeats the
+        first one's calls with the same shapes, dtypes and flags, so no later step can need a graph the first did
+        not compile or select (``torch.compiler.set_stance``'s condition for ``skip_guard_eval_unsafe``)."""
+        if step == 0 or not self.config.skip_repeat_guards:
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
     # ---- weights and memory ------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -372,3 +372,35 @@ def test_kept_uncond_velocity_is_the_one_the_rollout_combined(model):
                                        rtol=1e-5, atol=1e-4)
     no_cfg = engine.generate([replace(_requests()[4], keep_uncond_velocity=True)])[0]
     assert no_cfg.uncond_velocity is None  # no uncond branch without CFG
+
+
+@pytest.mark.slow  # (a CPU compile: run once, natively, not again under the avx2 pass)
+def test_compiled_batch_checks_its_guards_fully_only_at_its_first_step(single_rank, reference):
+    """``skip_repeat_guards``: under torch.compile a batch's first denoising step runs with dynamo's full guard
+    checks (compiling what it needs: here each text length's graphs), its later steps only with the guards that
+    tell the graphs apart; the rollouts are bit-equal to full checks at every step, and the stance is the default
+    again after the batch."""
+    from torch._dynamo import eval_frame
+
+    from megatron_omni.compile import compile_blocks
+
+    torch._dynamo.reset()
+    model = megatron_from_reference(reference, ARCH, single_rank.tp_group)
+    compile_blocks(model, "default")
+    skipping = []
+    handle = model.register_forward_pre_hook(lambda m, args: skipping.append(eval_frame._stance.skip_guard_eval_unsafe))
+    reqs = [r for r in _requests() if r.guidance_scale > 1][:2]  # CFG: the cond and the negative prompt apart
+    runs = {}
+    try:
+        for skip in (True, False):  # the skipping run first: its first steps compile the graphs
+            skipping.clear()
+            engine = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=8, skip_repeat_guards=skip))
+            runs[skip] = engine.generate(reqs)
+            # two batches (two prompt lengths), each 4 steps x 2 forwards (cond, uncond: two text lengths)
+            assert skipping == ([False] * 2 + [skip] * 6) * 2, skipping
+            assert eval_frame._stance.skip_guard_eval_unsafe is False
+    finally:
+        handle.remove()
+        torch._dynamo.reset()
+    for a, b in zip(runs[True], runs[False]):
+        _assert_same(a, b)
