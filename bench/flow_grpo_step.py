@@ -245,7 +245,7 @@ def profile_phases(parser, given: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(given))
 
 
-PROFILED_PHASES = {"sampling": ("engine", "generate", "the engine's sampling (generate)"),
+PROFILED_PHASES = {"sampling": ("engine", "generate", "sampling phase (the engine's generate)"),
                    "train": ("algorithm", "train", "training phase")}
 
 
