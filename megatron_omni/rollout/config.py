@@ -39,6 +39,11 @@ class EngineConfig:
     # that tell the compiled graphs apart (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): the guard
     # evaluation is host work at each of the 60 blocks' calls per forward; false = full checks at every step
     skip_repeat_guards: bool = True
+    # on a CUDA device whose forwards no other rank joins (TP = CP = 1): a batch's denoiser forward is captured
+    # into a CUDA graph at its second denoising step and replayed at the later ones (one graph per forward layout,
+    # e.g. the cond and the negative prompt's; megatron_omni.rollout.graphs), so those steps launch no kernel from
+    # the host; the graphs' memory pool holds one forward's activations while the batch runs. No effect elsewhere
+    cuda_graphs: bool = False
 
     def check_engine(self) -> None:
         """Raise ValueError naming the engine setting that cannot work."""

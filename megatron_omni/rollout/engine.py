@@ -27,6 +27,7 @@ import torch
 from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_shard
 from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.config import EngineConfig
+from megatron_omni.rollout.graphs import ReplayedForward
 from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
 from model_specs.common.fp8 import check_fp8_device
@@ -268,6 +269,7 @@ class EmbeddedEngine:
         self._closed = False
         self._asleep = False
         self._incomplete: str | None = None  # why the weights are part old, part new (a write that failed midway)
+        self._graph_stream = None  # where cuda_graphs captures (one stream: its library workspaces outlive a batch)
 
     # ---- requests -> batches ------------------------------------------------------------------
     def generate(self, requests: Sequence[Request]) -> list[Trajectory]:
@@ -444,6 +446,7 @@ class EmbeddedEngine:
             forwards = [(txt, mask, extras, 1) for txt, mask, extras in branches]
 
         steps = self.family.step_inputs(self.model, sigmas_N1[:-1])  # per-step conditioning, once per batch
+        run = self._forward_fns(len(forwards))
         context_BSC, fhw = None, r0.img_fhw  # an edit's source tokens after the sampled ones, its own frames
         if r0.context_latents is not None:
             context_BSC = torch.stack([p.request.context_latents for p in items]).to(self._device, self._dtype)
@@ -455,9 +458,9 @@ class EmbeddedEngine:
             if context_BSC is not None:
                 x = torch.cat([x, context_BSC], dim=1)
             with self._guards(i):
-                outs = [self.model(torch.cat([x] * rows) if rows > 1 else x, txt,
-                                   sigmas_N1[i].expand(rows * x.shape[0]), fhw, mask, **extras, **steps[i])
-                        for txt, mask, extras, rows in forwards]
+                outs = [fn(torch.cat([x] * rows) if rows > 1 else x, txt,
+                           sigmas_N1[i].expand(rows * x.shape[0]), fhw, mask, **extras, **steps[i])
+                        for fn, (txt, mask, extras, rows) in zip(run, forwards)]
             out = torch.cat(outs) if len(outs) > 1 else outs[0]
             if context_BSC is not None:
                 out = out[:, :n_img]
@@ -469,6 +472,17 @@ class EmbeddedEngine:
             return cfg_combine(v_cond, v_uncond, r0.guidance_scale, r0.cfg_rescale)
 
         return velocity
+
+    def _forward_fns(self, n: int) -> list[Callable]:
+        """The denoiser's forward for each of a batch's ``n`` forward layouts: under ``cuda_graphs`` on a CUDA
+        device whose forwards no other rank joins, each replayed as a CUDA graph from the batch's second step on
+        (``megatron_omni.rollout.graphs``; the graphs share one memory pool and die with the batch); else the model."""
+        if not (self.config.cuda_graphs and self._device.type == "cuda" and not self.groups):
+            return [self.model] * n
+        if self._graph_stream is None:
+            self._graph_stream = torch.cuda.Stream(self._device)
+        pool = torch.cuda.graph_pool_handle()
+        return [ReplayedForward(self.model, pool, self._graph_stream) for _ in range(n)]
 
     def _guards(self, step: int):
         """The compiled blocks' guard checks at denoising step ``step`` of a batch: full at its first step, then
