@@ -41,8 +41,8 @@ def _rebuild(obj: Any, leaves: list[torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         return {k: _rebuild(v, leaves) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _rebuild(getattr(obj, f.name), leaves)
-                                           for f in dataclasses.fields(obj) if f.init})
+        fields = {f.name: (f.init, _rebuild(getattr(obj, f.name), leaves)) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **{name: value for name, (init, value) in fields.items() if init})
     return obj
 
 
