@@ -41,3 +41,25 @@ def test_a_call_of_another_structure_is_refused_before_any_capture():
     with pytest.raises(ValueError, match="another structure at call 3"):
         replayed(torch.ones(2, 3), (1, 4, 4))
     assert seen == [(1, 2, 2)]
+
+
+def test_rebuild_keeps_the_order_past_a_dataclass_field_outside_its_init():
+    """A dataclass field that ``__init__`` does not take (computed in ``__post_init__``) still holds a flattened
+    tensor: rebuilding consumes it in its place, so the tensors after it land where they belong."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Halves:
+        full: torch.Tensor
+        half: torch.Tensor = dataclasses.field(init=False)
+
+        def __post_init__(self):
+            self.half = self.full / 2
+
+    obj = (Halves(torch.ones(2)), torch.zeros(3))
+    leaves: list[torch.Tensor] = []
+    _flatten(obj, leaves)
+    assert [tuple(t.shape) for t in leaves] == [(2,), (2,), (3,)]
+    copies = [torch.full((2,), 4.0), torch.full((2,), 9.0), torch.full((3,), 7.0)]
+    rebuilt, tail = _rebuild(obj, list(copies))
+    assert rebuilt.full is copies[0] and torch.equal(rebuilt.half, torch.full((2,), 2.0)) and tail is copies[2]
