@@ -41,8 +41,9 @@ def _rebuild(obj: Any, leaves: list[torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         return {k: _rebuild(v, leaves) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: (f.init, _rebuild(getattr(obj, f.name), leaves)) for f in dataclasses.fields(obj)}
-        return dataclasses.replace(obj, **{name: value for name, (init, value) in fields.items() if init})
+        fields = dataclasses.fields(obj)
+        values = {f.name: _rebuild(getattr(obj, f.name), leaves) for f in fields}  # all: _flatten's order
+        return dataclasses.replace(obj, **{f.name: values[f.name] for f in fields if f.init})
     return obj
 
 

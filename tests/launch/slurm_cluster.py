@@ -22,7 +22,9 @@ NODES = ("n1", "n2")
 
 
 def ensure_installed() -> str | None:
-    """None when the SLURM and munge binaries are there (installing them when root); else why not."""
+    """None when the SLURM and munge binaries are there (installing them when root); else why they cannot be
+    installed here (not root, no apt-get).  An install that ran and failed raises: where SLURM can be installed
+    (CI: a root Debian machine) its tests must run, not skip."""
     if all(shutil.which(b) for b in DAEMONS):
         return None
     if os.geteuid() != 0:
@@ -37,8 +39,8 @@ def ensure_installed() -> str | None:
         out = subprocess.run(install, env=env, capture_output=True, text=True)
     missing = [b for b in DAEMONS if not shutil.which(b)]
     if missing:
-        return f"apt-get install {' '.join(PACKAGES)} failed (exit {out.returncode}; missing {missing}): " \
-               f"{out.stderr.strip()[-400:]}"
+        raise RuntimeError(f"apt-get install {' '.join(PACKAGES)} failed (exit {out.returncode}; missing "
+                           f"{missing}): {out.stderr.strip()[-400:]}")
     return None
 
 

@@ -18,8 +18,8 @@ STEPS = 8  # ~0.5 s each at 2 ranks: the signal, sent once step 0 is logged, lan
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    reason = ensure_installed()
-    if reason:
+    reason = ensure_installed()  # raises when an install here was tried and failed
+    if reason:  # no SLURM and no way to install it on this machine (not root, no apt-get)
         pytest.skip(reason)
     slurm = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:

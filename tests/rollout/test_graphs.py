@@ -1,5 +1,7 @@
 """megatron_omni.rollout.graphs on the CPU: the inputs' structure it checks before any capture (the capture and the
 replays themselves need a CUDA GPU: tests/rollout/test_graphs_gpu.py)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,8 +48,6 @@ def test_a_call_of_another_structure_is_refused_before_any_capture():
 def test_rebuild_keeps_the_order_past_a_dataclass_field_outside_its_init():
     """A dataclass field that ``__init__`` does not take (computed in ``__post_init__``) still holds a flattened
     tensor: rebuilding consumes it in its place, so the tensors after it land where they belong."""
-    import dataclasses
-
     @dataclasses.dataclass
     class Halves:
         full: torch.Tensor
