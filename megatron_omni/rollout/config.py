@@ -27,6 +27,10 @@ class EngineConfig:
     # use_fast_accum; Transformer Engine's choice for forward GEMMs), false = promoted (split) accumulation, slower
     # and closer to float32; the CPU emulation accumulates in float32 either way
     fp8_fast_accum: bool = True
+    # with fp8 and fuse: a block's LayerNorm + modulation (+ the gated residual before its MLP) writes its QKV and
+    # fc1 GEMMs' e4m3 input and row scales in one Triton pass per stream (model_specs.common.norm_quantize), instead
+    # of inductor's reductions over the row; Qwen-Image blocks; default off until measured in the FP8 step
+    fp8_adaln_kernel: bool = False
     # a LoRA engine's adapters: merged = each adapted linear's rollout weight is W + s·B·A (rebuilt at each weight
     # change; one GEMM instead of the base's and the adapter's skinny two: model_specs.common.rollout_linear;
     # without FP8 a model-dtype copy of the adapted weights while the rollout runs), whose rounding differs from the

@@ -35,6 +35,7 @@ from model_specs.common.rollout_linear import (
     drop_rollout_weights, enable_fp8, merge_adapters, refresh_rollout_weights,
 )
 from model_specs.common.fusion import fuse_inference, refresh_fused
+from model_specs.common.norm_quantize import enable_adaln_fp8
 from model_specs.common.lora import base_tensors
 from model_specs.family import ModelFamily, TextExtras, family_of, split_encoding, stack_extras
 
@@ -259,6 +260,7 @@ class EmbeddedEngine:
         self.fp8 = enable_fp8(model, fast_accum=self.config.fp8_fast_accum) if self.config.fp8 else 0
         self.merged = merge_adapters(model) if self.config.merges_lora(self._device.type) else 0
         self.fused = fuse_inference(model) if self.config.fuse else 0
+        self.adaln_fp8 = enable_adaln_fp8(model, self.config.fp8_adaln_kernel and bool(self.fp8 and self.fused))
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.groups = [g for g in groups if g is not None and g.size() > 1]  # ranks that run each forward together
         self._prompt_cache: dict[str, tuple[torch.Tensor, TextExtras]] = {}  # prompt -> (real tokens [T, E], extras)

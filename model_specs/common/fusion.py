@@ -13,6 +13,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
 from model_specs.common.lora import LoRALinear
+from model_specs.common.norm_quantize import FP8Input
 from model_specs.common.rollout_linear import RolloutLinear
 
 
@@ -40,10 +41,16 @@ def column_parts(linear: torch.nn.Module, x: torch.Tensor):
       added, is also what megatron's linear computes in training.  A base with rollout weights
       (``rollout_linear.RolloutLinear``) gives its FP8 product, or its merged weight's, instead (an adapter merged
       there gives no output of its own);
+    - an ``FP8Input`` (already quantized by the block: ``norm_quantize``), to an FP8 ``plain_column``: the kernel
+      alone, the adapter reading the input the block kept;
     - anything else: its own forward.
     """
     wrapped = isinstance(linear, LoRALinear)
     base = linear.base if wrapped else linear
+    if isinstance(x, FP8Input):
+        product = base.fp8_quantized_product(x.q_MK, x.scale_M1, x.like.dtype).view(*x.like.shape[:-1], -1)
+        adapter = wrapped and linear.enabled and not linear.merged_in_base(x.rows())
+        return product, base.bias, linear.low_rank(x.x) if adapter else None
     if plain_column(base):  # (an adapter on a column-parallel base is column-parallel itself)
         rollout = isinstance(base, RolloutLinear)
         product = base.fp8_product(x) if rollout else None  # (the FP8 rollout path)

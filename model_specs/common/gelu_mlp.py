@@ -31,6 +31,7 @@ from megatron.core.transformer.mlp import MLP
 from model_specs.common import fp8
 from model_specs.common.fusion import local_column
 from model_specs.common.lora import COLUMN, LoRALinear
+from model_specs.common.norm_quantize import FP8Input
 from model_specs.common.rollout_linear import RolloutLinear, uses_fp8
 
 
@@ -101,7 +102,10 @@ class GeluMLP(MLP):
             self.fused_weight = cat = torch.empty(n, k + b_NR.shape[1], device=w_NK.device, dtype=w_NK.dtype)
         torch._foreach_copy_([cat[:, :k], cat[:, k:]], [w_NK, b_NR])
 
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    def forward(self, hidden_states: torch.Tensor | FP8Input, *args, **kwargs):
+        """``hidden_states``: the activation, or (a block's one-pass adaLN path) an ``FP8Input`` of it."""
+        if isinstance(hidden_states, FP8Input):
+            return self._fp8_forward(hidden_states)
         if not self.fused or torch.is_grad_enabled() or args or kwargs:
             return super().forward(hidden_states, *args, **kwargs)
         fc1 = self.linear_fc1
@@ -109,7 +113,7 @@ class GeluMLP(MLP):
         if uses_fp8(fc1):
             if x_MK.shape[0] < fp8.MIN_ROWS:  # (a per-sample GEMM: the model dtype's path)
                 return super().forward(hidden_states)
-            return self._fp8_forward(x_MK, hidden_states.shape[:-1])
+            return self._fp8_forward(FP8Input(*fp8.quantize_rows(x_MK), hidden_states, hidden_states))
         if isinstance(fc1, LoRALinear) and fc1.enabled and not fc1.merged_in_base(x_MK):
             if self.fused_weight is None:
                 raise RuntimeError("GeluMLP: fused with a LoRA adapter on fc1 but refresh_fused() was not called")
@@ -133,22 +137,24 @@ class GeluMLP(MLP):
             return "fc2 reduces its output over TP (or scatters its input): its FP8 product is not the whole output"
         return ""
 
-    def _fp8_forward(self, x_MK: torch.Tensor, lead: torch.Size):
-        """MLP.forward with FP8 GEMMs, fc1's output handed to fc2 quantized: fc1's FP8 product (+ its LoRA output),
-        then its bias, GELU-tanh and fc2's per-row quantization in one pass (``fp8.gelu_quantize_rows``: the
-        unfused path reads fc1's output twice for the row maxima, then writes the activation and its FP8 copy),
-        then fc2's FP8 kernel (+ its bias and LoRA output, as its forward adds them)."""
+    def _fp8_forward(self, inp: FP8Input):
+        """MLP.forward with FP8 GEMMs, fc1's output handed to fc2 quantized: fc1's FP8 kernel on the quantized input
+        (+ its LoRA output), then its bias, GELU-tanh and fc2's per-row quantization in one pass
+        (``fp8.gelu_quantize_rows``: the unfused path reads fc1's output twice for the row maxima, then writes the
+        activation and its FP8 copy), then fc2's FP8 kernel (+ its bias and LoRA output, as its forward adds them)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        x_MK = inp.rows()
         lora1 = isinstance(fc1, LoRALinear) and fc1.enabled and not fc1.merged_in_base(x_MK)
         lora2 = isinstance(fc2, LoRALinear) and fc2.enabled and not fc2.merged_in_base(x_MK)  # (act: x's rows)
         base1 = fc1.base if isinstance(fc1, LoRALinear) else fc1
         base2 = fc2.base if isinstance(fc2, LoRALinear) else fc2
-        y_MN = base1.fp8_product(x_MK)
-        act, q_MN, s_M1 = fp8.gelu_quantize_rows(y_MN, base1.bias, fc1.low_rank(x_MK) if lora1 else None, lora2)
+        y_MN = base1.fp8_quantized_product(inp.q_MK, inp.scale_M1, x_MK.dtype)
+        lora_in = fc1.low_rank(inp.x.reshape(x_MK.shape)) if lora1 else None
+        act, q_MN, s_M1 = fp8.gelu_quantize_rows(y_MN, base1.bias, lora_in, lora2)
         out = base2.fp8_quantized_product(q_MN, s_M1, x_MK.dtype)
         bias = base2.bias if base2.skip_bias_add else None
         if not base2.skip_bias_add and base2.bias is not None:
             out = out + base2.bias
         if lora2:
             out = out + fc2.low_rank(act)
-        return out.view(*lead, -1), bias
+        return out.view(*inp.like.shape[:-1], -1), bias

@@ -11,8 +11,12 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from model_specs.common.fusion import column_parts
+from model_specs.common import fp8
+from model_specs.common.fusion import column_parts, local_column, plain_column
+from model_specs.common.lora import LoRALinear
+from model_specs.common.norm_quantize import FP8Input, adaln_layer_norm, norm_modulate_quantize_rows
 from model_specs.common.qk_norm_rope import apply_rope, joint_qk_norm_rope, rms_norms_fusable
+from model_specs.common.rollout_linear import uses_fp8
 from model_specs.qwen_image.conditioning import QwenImageConditioning
 from model_specs.qwen_image.spec import JointAttentionSubmodules, QwenImageBlockSubmodules
 
@@ -95,9 +99,31 @@ def _modulate(x_SBH, shift_BH, scale_BH):
     return x_SBH * (1 + scale_BH[None]) + shift_BH[None]
 
 
+def _reads_input(linear) -> bool:
+    """Whether ``linear`` reads its input in the model dtype beside an FP8 product: an adapter not merged in."""
+    return isinstance(linear, LoRALinear) and linear.enabled and not linear.base._merge_on
+
+
+def _adaln_input(norm, x_SBH, shift_BH, scale_BH, consumer, residual_SBH=None, gate_BH=None):
+    """(x' = x + gate r, or x; the consumer's input from x'): an ``FP8Input`` from the one-pass kernel
+    (``norm_quantize``) when the stream has enough rows for the FP8 GEMMs, else the modulated activation."""
+    if x_SBH.numel() < fp8.MIN_ROWS * x_SBH.shape[-1]:
+        if residual_SBH is not None:
+            x_SBH = x_SBH + gate_BH[None] * residual_SBH
+        return x_SBH, _modulate(norm(x_SBH), shift_BH, scale_BH)
+    xn, m, q, s = norm_modulate_quantize_rows(x_SBH, shift_BH, scale_BH, norm.eps, residual_SBH, gate_BH,
+                                              _reads_input(consumer))
+    x_SBH = x_SBH if residual_SBH is None else xn
+    return x_SBH, FP8Input(q, s, x_SBH, m if m.numel() else None)
+
+
 class QwenImageBlock(MegatronModule):
     """diffusers ``QwenImageTransformerBlock``: adaLN-modulated image and text streams, joint attention,
-    gated residuals, per-stream GELU-tanh MLPs."""
+    gated residuals, per-stream GELU-tanh MLPs.  With ``adaln_fp8`` (the rollout, no autograd:
+    ``norm_quantize.enable_adaln_fp8``) each stream's LayerNorm + modulation (+ the gated residual before the MLP)
+    writes its FP8 GEMM's quantized input in one pass."""
+
+    adaln_fp8 = False  # set by model_specs.common.norm_quantize.enable_adaln_fp8
 
     def __init__(self, config: TransformerConfig, submodules: QwenImageBlockSubmodules, layer_number: int,
                  tp_group, backend: str = "local", cp_groups=None):
@@ -118,6 +144,25 @@ class QwenImageBlock(MegatronModule):
         self.img_mlp = build_module(submodules.img_mlp, **mlp_kw)
         self.txt_mlp = build_module(submodules.txt_mlp, **mlp_kw)
 
+    def adaln_fp8_capable(self) -> str:
+        """'' when the one-pass FP8 input computes what this block's forward does: LayerNorms without affine
+        parameters, the attention fused, its QKV linears and both MLPs' fc1 plain FP8 columns; else why not."""
+        attn = self.attention
+        for norm in (self.img_norm1, self.txt_norm1, self.img_norm2, self.txt_norm2):
+            if adaln_layer_norm(norm):
+                return adaln_layer_norm(norm)
+        if not attn.fused:
+            return "the attention is not on its fused path (fusion.fuse_inference)"
+        mlps = (self.img_mlp, self.txt_mlp)
+        for linear, column in ((attn.linear_qkv, plain_column), (attn.linear_added_qkv, plain_column),
+                               *((mlp.linear_fc1, local_column) for mlp in mlps)):
+            base = getattr(linear, "base", linear)
+            if not (uses_fp8(base) and column(base)):
+                return f"{type(base).__name__} is not a local FP8 column-parallel linear (rollout.fp8)"
+        if not all(getattr(mlp, "fused", False) for mlp in mlps):
+            return "an MLP is not on its fused FP8 path (fusion.fuse_inference)"
+        return ""
+
     @staticmethod
     def _mlp(mlp, x_SBH):
         out, bias = mlp(x_SBH)
@@ -134,6 +179,16 @@ class QwenImageBlock(MegatronModule):
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)
         txt, img = hidden_SBH[: cond.text_len], hidden_SBH[cond.text_len:]
+        if self.adaln_fp8 and not torch.is_grad_enabled():
+            attn, i_mlp, t_mlp = self.attention, self.img_mlp, self.txt_mlp
+            img, img_in = _adaln_input(self.img_norm1, img, i_shift1, i_scale1, attn.linear_qkv)
+            txt, txt_in = _adaln_input(self.txt_norm1, txt, t_shift1, t_scale1, attn.linear_added_qkv)
+            img_attn, txt_attn = attn(img_in, txt_in, cond)
+            img, img_in = _adaln_input(self.img_norm2, img, i_shift2, i_scale2, i_mlp.linear_fc1, img_attn, i_gate1)
+            txt, txt_in = _adaln_input(self.txt_norm2, txt, t_shift2, t_scale2, t_mlp.linear_fc1, txt_attn, t_gate1)
+            img = img + i_gate2[None] * self._mlp(i_mlp, img_in)
+            txt = txt + t_gate2[None] * self._mlp(t_mlp, txt_in)
+            return torch.cat([txt, img], dim=0)
 
         img_attn, txt_attn = self.attention(_modulate(self.img_norm1(img), i_shift1, i_scale1),
                                             _modulate(self.txt_norm1(txt), t_shift1, t_scale1), cond)

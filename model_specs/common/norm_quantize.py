@@ -1,0 +1,167 @@
+"""An FP8 GEMM's input from the adaLN path in one pass: gated residual, LayerNorm, modulation, e4m3 row quantization.
+
+What a DiT block computes before its QKV and fc1 GEMMs (Qwen-Image, SD3: ``layers._modulate``), with the
+quantization those GEMMs' FP8 path applies (``fp8.quantize_rows``):
+
+    x' = x + gate * r                       (optional: the gated residual of the half-block before)
+    m  = LayerNorm(x') * (1 + scale) + shift
+    (Q, s) = quantize_rows(m)               (Q e4m3, one float32 scale per row)
+
+Why: the compiled block runs this as inductor's reductions, which read a row once for the LayerNorm's statistics,
+again for the row maximum of m and again for the codes (a row of 3072 is past its persistent reductions).  One
+Triton program per row holds the row in registers: x and r are read once, x' (when there is a residual), Q and s
+written once, m only where a consumer needs it in the model dtype (an unmerged LoRA adapter's input).
+
+Each step is rounded to x's dtype as eager rounds it, the LayerNorm's statistics in float32 (two passes over the
+row in registers, as torch's CPU kernel; a GPU's may order its sums differently: a value at a rounding boundary can
+land one bf16 step apart).  The kernel runs on CUDA and in Triton's CPU interpreter (the tests); elsewhere the same
+torch ops.  ``bench/norm_quantize.py`` times it against inductor's fusion of those ops at the rollout's shapes.
+A block on this path (``enable_adaln_fp8``; ``rollout.fp8_adaln_kernel``) hands its FP8 GEMMs an ``FP8Input``
+instead of the modulated activation: ``fusion.column_parts`` (the attention's QKV) and ``GeluMLP`` (fc1) take it.
+Legend: S sequence, B batch, H hidden, M = S·B rows (layout [S, B, H]: row m is sample m mod B).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model_specs.common import fp8
+from model_specs.common.fp8 import E4M3, quantize_rows, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from model_specs.common.fp8 import _e4m3_codes
+
+    @triton.jit
+    def _norm_quantize_kernel(x, res, gate, shift, scale, x_out, m_out, q_out, s_out, batch, mod_stride, eps,
+                              N: tl.constexpr, HAS_RES: tl.constexpr, KEEP: tl.constexpr, BLOCK: tl.constexpr,
+                              EMULATE: tl.constexpr):
+        """One program per row, the row whole in registers (BLOCK >= N).  ``mod_stride``: the row stride of gate /
+        shift / scale between samples (0: one row for the batch)."""
+        row = tl.program_id(0).to(tl.int64)
+        at = row * N + tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        mod = (row % batch) * mod_stride + cols
+        v = tl.load(x + at, mask=m, other=0.0)
+        if HAS_RES:
+            g = (tl.load(gate + mod, mask=m, other=0.0).to(tl.float32)
+                 * tl.load(res + at, mask=m, other=0.0).to(tl.float32)).to(v.dtype)
+            v = (v.to(tl.float32) + g.to(tl.float32)).to(v.dtype)
+            tl.store(x_out + at, v, mask=m)
+        vf = tl.where(m, v.to(tl.float32), 0.0)
+        mean = tl.sum(vf, axis=0) / N
+        d = tl.where(m, vf - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / N + eps)
+        h = (d * rstd).to(v.dtype)
+        one_plus = (1.0 + tl.load(scale + mod, mask=m, other=0.0).to(tl.float32)).to(v.dtype)
+        h = (h.to(tl.float32) * one_plus.to(tl.float32)).to(v.dtype)
+        h = (h.to(tl.float32) + tl.load(shift + mod, mask=m, other=0.0).to(tl.float32)).to(v.dtype)
+        if KEEP:
+            tl.store(m_out + at, h, mask=m)
+        amax = tl.max(tl.abs(tl.where(m, h.to(tl.float32), 0.0)), axis=0)
+        s = tl.maximum(amax / 448.0, 1e-12)
+        tl.store(q_out + at, _e4m3_codes(h, 1.0 / s, m, EMULATE), mask=m)
+        tl.store(s_out + row, s)
+
+
+def norm_quantize_reference(x_SBH, shift_BH, scale_BH, eps, residual_SBH=None, gate_BH=None):
+    """The torch ops the kernel replaces: (x', m, Q [M, H], s [M, 1])."""
+    if residual_SBH is not None:
+        x_SBH = x_SBH + gate_BH[None] * residual_SBH
+    m_SBH = F.layer_norm(x_SBH, x_SBH.shape[-1:], eps=eps) * (1 + scale_BH[None]) + shift_BH[None]
+    return (x_SBH, m_SBH, *quantize_rows(m_SBH.reshape(-1, m_SBH.shape[-1])))
+
+
+def _check(x_SBH, shift_BH, scale_BH, residual_SBH, gate_BH) -> None:
+    if (residual_SBH is None) != (gate_BH is None):
+        raise ValueError("norm_modulate_quantize_rows: a residual needs its gate and a gate its residual")
+    s, b, h = x_SBH.shape
+    mods = [("shift", shift_BH), ("scale", scale_BH)] + ([("gate", gate_BH)] if residual_SBH is not None else [])
+    for name, t in mods:
+        if t.dim() != 2 or t.shape[0] not in (1, b) or t.shape[1] != h or t.stride(1) != 1:
+            raise ValueError(f"norm_modulate_quantize_rows: {name} has shape {tuple(t.shape)} (strides "
+                             f"{t.stride()}); expected [1 or {b}, {h}] with contiguous rows, for x [{s}, {b}, {h}]")
+    if residual_SBH is not None and residual_SBH.shape != x_SBH.shape:
+        raise ValueError(f"norm_modulate_quantize_rows: residual {tuple(residual_SBH.shape)}; expected x's "
+                         f"{tuple(x_SBH.shape)}")
+
+
+@torch.library.custom_op("megatron_omni::norm_modulate_quantize_rows", mutates_args=())
+def norm_modulate_quantize_rows(x_SBH: torch.Tensor, shift_BH: torch.Tensor, scale_BH: torch.Tensor, eps: float,
+                                residual_SBH: torch.Tensor | None, gate_BH: torch.Tensor | None,
+                                keep_modulated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x' [S, B, H] = x + gate r, or an empty tensor without a residual; m [S, B, H], or empty unless
+    ``keep_modulated``; Q [S·B, H] e4m3; s [S·B, 1] float32) with m = LayerNorm(x') (1 + scale) + shift ≈ s Q per
+    row.  gate / shift / scale: [B or 1, H] (views of a modulation's chunks are fine)."""
+    _check(x_SBH, shift_BH, scale_BH, residual_SBH, gate_BH)
+    if not fp8._runs_gelu_kernel(x_SBH):
+        xn, m_SBH, q, s = norm_quantize_reference(x_SBH, shift_BH, scale_BH, eps, residual_SBH, gate_BH)
+        return (xn if residual_SBH is not None else x_SBH.new_empty(0)), \
+            (m_SBH if keep_modulated else x_SBH.new_empty(0)), q, s
+    seq, batch, h = x_SBH.shape
+    x_SBH = x_SBH.contiguous()
+    has_res = residual_SBH is not None
+    res = residual_SBH.contiguous() if has_res else x_SBH
+    x_out = torch.empty_like(x_SBH) if has_res else x_SBH.new_empty(0)
+    m_out = torch.empty_like(x_SBH) if keep_modulated else x_SBH.new_empty(0)
+    q = torch.empty(seq * batch, h, device=x_SBH.device, dtype=E4M3)
+    s = torch.empty(seq * batch, 1, device=x_SBH.device, dtype=torch.float32)
+    # one stride for all three modulation views: they are chunks of one [B, 6H] tensor in the blocks; else copies
+    mods = [shift_BH, scale_BH] + ([gate_BH] if has_res else [])
+    if len({(t.shape[0], t.stride(0)) for t in mods}) != 1:
+        mods = [t.expand(batch, h).contiguous() for t in mods]
+    stride = mods[0].stride(0) if mods[0].shape[0] > 1 else 0
+    block = triton.next_power_of_2(h)
+    _norm_quantize_kernel[(seq * batch,)](
+        x_SBH, res, mods[2] if has_res else mods[0], mods[0], mods[1], x_out if has_res else x_SBH,
+        m_out if keep_modulated else x_SBH, q, s, batch, stride, float(eps), N=h, HAS_RES=has_res,
+        KEEP=keep_modulated, BLOCK=block, EMULATE=not x_SBH.is_cuda if fp8._EMULATE is None else fp8._EMULATE,
+        num_warps=max(4, min(8, block // 512)))
+    return x_out, m_out, q, s
+
+
+@norm_modulate_quantize_rows.register_fake
+def _(x_SBH, shift_BH, scale_BH, eps, residual_SBH, gate_BH, keep_modulated):
+    seq, batch, h = x_SBH.shape
+    x_out = torch.empty_like(x_SBH) if residual_SBH is not None else x_SBH.new_empty(0)
+    m_out = torch.empty_like(x_SBH) if keep_modulated else x_SBH.new_empty(0)
+    return x_out, m_out, x_SBH.new_empty(seq * batch, h, dtype=E4M3), x_SBH.new_empty(seq * batch, 1,
+                                                                                        dtype=torch.float32)
+
+
+@dataclass
+class FP8Input:
+    """A per-token GEMM's input already quantized per row: codes [M, K] e4m3 and scales [M, 1] of an activation
+    shaped and typed as ``like`` [.., K]; ``x``, that activation itself where a consumer also reads it in the model
+    dtype (an unmerged LoRA adapter), else None."""
+    q_MK: torch.Tensor
+    scale_M1: torch.Tensor
+    like: torch.Tensor
+    x: torch.Tensor | None = None
+
+    def rows(self) -> torch.Tensor:
+        """``like`` as [M, K] (what a linear's row-count checks read)."""
+        return self.like.reshape(-1, self.like.shape[-1])
+
+
+def adaln_layer_norm(norm: torch.nn.Module) -> str:
+    """'' when ``norm`` is the kernel's LayerNorm (torch's, without affine parameters); else why not."""
+    if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is not None or norm.bias is not None:
+        return f"{type(norm).__name__} is not a torch LayerNorm without affine parameters"
+    return ""
+
+
+def enable_adaln_fp8(model: torch.nn.Module, enable: bool = True) -> int:
+    """Switch every block of ``model`` whose ``adaln_fp8_capable()`` is '' to the one-pass FP8 input
+    (``enable=False``: all back); returns how many are on.  Call after ``fusion.fuse_inference`` and
+    ``rollout_linear.enable_fp8``: a block takes the path only when its attention and MLPs run fused in FP8."""
+    count = 0
+    for m in model.modules():
+        if callable(getattr(m, "adaln_fp8_capable", None)):
+            m.adaln_fp8 = bool(enable) and not m.adaln_fp8_capable()
+            count += m.adaln_fp8
+    return count
