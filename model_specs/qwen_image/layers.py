@@ -179,22 +179,21 @@ class QwenImageBlock(MegatronModule):
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = img_mod.chunk(6, dim=-1)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = txt_mod.chunk(6, dim=-1)
         txt, img = hidden_SBH[: cond.text_len], hidden_SBH[cond.text_len:]
-        if self.adaln_fp8 and not torch.is_grad_enabled():
-            attn, i_mlp, t_mlp = self.attention, self.img_mlp, self.txt_mlp
+        if self.adaln_fp8 and not torch.is_grad_enabled():  # the FP8 GEMMs' inputs quantized in the same pass
+            attn, i_fc1, t_fc1 = self.attention, self.img_mlp.linear_fc1, self.txt_mlp.linear_fc1
             img, img_in = _adaln_input(self.img_norm1, img, i_shift1, i_scale1, attn.linear_qkv)
             txt, txt_in = _adaln_input(self.txt_norm1, txt, t_shift1, t_scale1, attn.linear_added_qkv)
             img_attn, txt_attn = attn(img_in, txt_in, cond)
-            img, img_in = _adaln_input(self.img_norm2, img, i_shift2, i_scale2, i_mlp.linear_fc1, img_attn, i_gate1)
-            txt, txt_in = _adaln_input(self.txt_norm2, txt, t_shift2, t_scale2, t_mlp.linear_fc1, txt_attn, t_gate1)
-            img = img + i_gate2[None] * self._mlp(i_mlp, img_in)
-            txt = txt + t_gate2[None] * self._mlp(t_mlp, txt_in)
-            return torch.cat([txt, img], dim=0)
+            img, img_in = _adaln_input(self.img_norm2, img, i_shift2, i_scale2, i_fc1, img_attn, i_gate1)
+            txt, txt_in = _adaln_input(self.txt_norm2, txt, t_shift2, t_scale2, t_fc1, txt_attn, t_gate1)
+        else:
+            img_attn, txt_attn = self.attention(_modulate(self.img_norm1(img), i_shift1, i_scale1),
+                                                _modulate(self.txt_norm1(txt), t_shift1, t_scale1), cond)
+            img = img + i_gate1[None] * img_attn
+            txt = txt + t_gate1[None] * txt_attn
+            img_in = _modulate(self.img_norm2(img), i_shift2, i_scale2)
+            txt_in = _modulate(self.txt_norm2(txt), t_shift2, t_scale2)
 
-        img_attn, txt_attn = self.attention(_modulate(self.img_norm1(img), i_shift1, i_scale1),
-                                            _modulate(self.txt_norm1(txt), t_shift1, t_scale1), cond)
-        img = img + i_gate1[None] * img_attn
-        txt = txt + t_gate1[None] * txt_attn
-
-        img = img + i_gate2[None] * self._mlp(self.img_mlp, _modulate(self.img_norm2(img), i_shift2, i_scale2))
-        txt = txt + t_gate2[None] * self._mlp(self.txt_mlp, _modulate(self.txt_norm2(txt), t_shift2, t_scale2))
+        img = img + i_gate2[None] * self._mlp(self.img_mlp, img_in)
+        txt = txt + t_gate2[None] * self._mlp(self.txt_mlp, txt_in)
         return torch.cat([txt, img], dim=0)
