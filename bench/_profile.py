@@ -47,6 +47,24 @@ def median_ms(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def gpu_shape_args(doc: str, argv=None):
+    """The row-kernel benches' options (the rollout batch, its text tokens, the repeats), checked, on a CUDA
+    device with Triton (a GPU Triton kernel's bench has no CPU mode): the parsed namespace."""
+    import argparse
+    import importlib.util
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--batch", type=int, default=16, help="rollout batch (one CFG branch)")
+    p.add_argument("--text-tokens", type=int, default=109)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    if min(args.batch, args.text_tokens, args.repeats) < 1:
+        p.error(f"--batch {args.batch}, --text-tokens {args.text_tokens}, --repeats {args.repeats}: expected >= 1")
+    if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        p.error("no CUDA device with Triton: this bench times a GPU Triton kernel")
+    return args
+
+
 def kind(name: str) -> str:
     low = name.lower()
     return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")

@@ -17,11 +17,9 @@ GPU only (CUDA events).
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from _profile import median_ms
+from _profile import gpu_shape_args, median_ms
 from model_specs.common import fp8
 
 MLP, HIDDEN = 12288, 3072
@@ -44,15 +42,7 @@ def run(y, bias, lora, keep: bool, gelu: bool):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=16, help="rollout batch (one CFG branch)")
-    p.add_argument("--text-tokens", type=int, default=109)
-    p.add_argument("--repeats", type=int, default=20)
-    args = p.parse_args(argv)
-    if min(args.batch, args.text_tokens, args.repeats) < 1:
-        p.error(f"--batch {args.batch}, --text-tokens {args.text_tokens}, --repeats {args.repeats}: expected >= 1")
-    if not torch.cuda.is_available() or fp8.triton is None:
-        p.error("no CUDA device with Triton: this bench times a GPU kernel")
+    args = gpu_shape_args(__doc__, argv)
     from rich.console import Console
     from rich.table import Table
 

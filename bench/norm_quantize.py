@@ -18,11 +18,9 @@ one call of each case per block forward).  GPU only (CUDA events).
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from _profile import median_ms
+from _profile import gpu_shape_args, median_ms
 from model_specs.common.norm_quantize import norm_modulate_quantize_rows, norm_quantize_reference
 
 HIDDEN, EPS, FORWARDS = 3072, 1e-6, 1200  # Qwen-Image's width and LayerNorm eps; 60 blocks x 10 steps x 2 branches
@@ -36,15 +34,7 @@ def cases(batch: int, text_tokens: int):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=16, help="rollout batch (one CFG branch)")
-    p.add_argument("--text-tokens", type=int, default=109)
-    p.add_argument("--repeats", type=int, default=20)
-    args = p.parse_args(argv)
-    if min(args.batch, args.text_tokens, args.repeats) < 1:
-        p.error(f"--batch {args.batch}, --text-tokens {args.text_tokens}, --repeats {args.repeats}: expected >= 1")
-    if not torch.cuda.is_available():
-        p.error("no CUDA device: this bench times a GPU kernel")
+    args = gpu_shape_args(__doc__, argv)
     import torch._inductor.config as inductor_config
     from rich.console import Console
     from rich.table import Table

@@ -87,14 +87,15 @@ def test_kernel_interpreted():
 
 
 def test_kernel_on_cpu():
-    """The kernel's logic (masks, the modulation's strides and broadcast, the optional outputs) in Triton's CPU
-    interpreter; a subprocess, as Triton reads TRITON_INTERPRET when it decorates the kernel."""
+    """The kernel's logic (masks, the modulation's strides and broadcast, the optional outputs), alone and inside
+    the blocks, in Triton's CPU interpreter; a subprocess, as Triton reads TRITON_INTERPRET when it decorates the
+    kernel."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          f"{__file__}::test_kernel_interpreted"], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+                          f"{__file__}::test_kernel_interpreted", f"{__file__}::test_block_forward_interpreted"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 @pytest.mark.gpu
@@ -195,16 +196,6 @@ def test_block_forward_interpreted(tiny):
         assert enable_adaln_fp8(model) == len(model.blocks)
         one_pass = model(*_model_inputs(arch))
     torch.testing.assert_close(one_pass, plain, rtol=1e-4, atol=1e-5)
-
-
-def test_block_forward_on_cpu():
-    """``test_block_forward_interpreted`` in a subprocess with TRITON_INTERPRET=1 (read when Triton decorates)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          f"{__file__}::test_block_forward_interpreted"], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 @TORCH_OPS
