@@ -28,7 +28,8 @@ HIDDEN, EPS, FORWARDS = 3072, 1e-6, 1200  # Qwen-Image's width and LayerNorm eps
 
 def cases(batch: int, text_tokens: int):
     """(name, sequence, residual, keep m)."""
-    return (("image, norm1 (QKV input)", 1024, False, False), ("image, residual + norm2 (fc1 input)", 1024, True, False),
+    return (("image, norm1 (QKV input)", 1024, False, False),
+            ("image, residual + norm2 (fc1 input)", 1024, True, False),
             ("image, residual + norm2, m kept", 1024, True, True), ("text, norm1", text_tokens, False, False),
             ("text, residual + norm2", text_tokens, True, False))
 
@@ -73,7 +74,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"{name}: a code is more than one e4m3 step from the eager torch ops'")
         # inductor keeps float32 between the ops (no bf16 rounding of h (1 + scale) before + shift): reported only
         mine, its = q.float() * s, iq.float() * i_s
-        apart = f"{int((q.view(torch.uint8) != iq.view(torch.uint8)).sum())} ({float((mine - its).norm() / its.norm()):.1e})"
+        codes_apart = int((q.view(torch.uint8) != iq.view(torch.uint8)).sum())
+        apart = f"{codes_apart} of {q.numel()} ({float((mine - its).norm() / its.norm()):.1e})"
         t_ind, t_ker = (median_ms(fn, args.repeats, warmup=3) for fn in (theirs, ours))
         moved = x.numel() * (2 + 1 + (4 if residual else 0) + (2 if keep else 0))  # x in, codes out, r in, x' out
         gain = (t_ind - t_ker) * FORWARDS / 1e3 if not keep else 0.0  # (m kept: not the recipe's merged adapters)

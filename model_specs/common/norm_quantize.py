@@ -7,15 +7,18 @@ quantization those GEMMs' FP8 path applies (``fp8.quantize_rows``):
     m  = LayerNorm(x') * (1 + scale) + shift
     (Q, s) = quantize_rows(m)               (Q e4m3, one float32 scale per row)
 
-Why: the compiled block runs this as inductor's reductions, which read a row once for the LayerNorm's statistics,
-again for the row maximum of m and again for the codes (a row of 3072 is past its persistent reductions).  One
-Triton program per row holds the row in registers: x and r are read once, x' (when there is a residual), Q and s
-written once, m only where a consumer needs it in the model dtype (an unmerged LoRA adapter's input).
+Why: the compiled block runs this as inductor's reductions, which (a row of 3072 being past its persistent
+reductions) can read a row once for the LayerNorm's statistics, again for the row maximum of m and again for the
+codes, as its fusion of fc1 -> GELU -> quantization did before ``fp8.gelu_quantize_rows``; ``bench/norm_quantize.py``
+measures whether it does here.  One Triton program per row holds the row in registers: x and r are read once,
+x' (when there is a residual), Q and s written once, m only where a consumer needs it in the model dtype (an
+unmerged LoRA adapter's input).
 
 Each step is rounded to x's dtype as eager rounds it, the LayerNorm's statistics in float32 (two passes over the
 row in registers, as torch's CPU kernel; a GPU's may order its sums differently: a value at a rounding boundary can
 land one bf16 step apart).  The kernel runs on CUDA and in Triton's CPU interpreter (the tests); elsewhere the same
-torch ops.  ``bench/norm_quantize.py`` times it against inductor's fusion of those ops at the rollout's shapes.
+torch ops.
+
 A block on this path (``enable_adaln_fp8``; ``rollout.fp8_adaln_kernel``) hands its FP8 GEMMs an ``FP8Input``
 instead of the modulated activation: ``fusion.column_parts`` (the attention's QKV) and ``GeluMLP`` (fc1) take it.
 Legend: S sequence, B batch, H hidden, M = S·B rows (layout [S, B, H]: row m is sample m mod B).
