@@ -39,33 +39,51 @@ if triton is not None:
     from model_specs.common.fp8 import _e4m3_codes
 
     @triton.jit
+    def _rounded(v, dtype: tl.constexpr):
+        """v (float32) rounded to ``dtype``, to nearest even as eager rounds an op's result, returned as float32.
+        bfloat16 by integer arithmetic on the bits: exact on every backend (Triton's CPU interpreter truncates a
+        cast) and never folded away (a bare ``.to(dtype).to(tl.float32)`` may be, and with FMA contraction the next
+        op then reads the unrounded value: seen on an H100, 28 % of a bf16 row's m one step off eager's)."""
+        if dtype == tl.bfloat16:
+            b = v.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            return b.to(tl.float32, bitcast=True)
+        elif dtype == tl.float16:
+            return v.to(dtype).to(tl.int16, bitcast=True).to(dtype, bitcast=True).to(tl.float32)
+        else:
+            return v
+
+    @triton.jit
     def _norm_quantize_kernel(x, res, gate, shift, scale, x_out, m_out, q_out, s_out, batch, mod_stride, eps,
                               N: tl.constexpr, HAS_RES: tl.constexpr, KEEP: tl.constexpr, BLOCK: tl.constexpr,
                               EMULATE: tl.constexpr):
         """One program per row, the row whole in registers (BLOCK >= N).  ``mod_stride``: the row stride of gate /
-        shift / scale between samples (0: one row for the batch)."""
+        shift / scale between samples (0: one row for the batch).  Launched without FMA contraction
+        (``enable_fp_fusion=False``): each op rounds on its own, as eager's."""
         row = tl.program_id(0).to(tl.int64)
         at = row * N + tl.arange(0, BLOCK)
         cols = tl.arange(0, BLOCK)
         m = cols < N
         mod = (row % batch) * mod_stride + cols
         v = tl.load(x + at, mask=m, other=0.0)
+        dt: tl.constexpr = v.dtype
+        v = v.to(tl.float32)  # every value below float32 holding one of dt (the stores' casts to dt are exact)
         if HAS_RES:
-            g = (tl.load(gate + mod, mask=m, other=0.0).to(tl.float32)
-                 * tl.load(res + at, mask=m, other=0.0).to(tl.float32)).to(v.dtype)
-            v = (v.to(tl.float32) + g.to(tl.float32)).to(v.dtype)
-            tl.store(x_out + at, v, mask=m)
-        vf = tl.where(m, v.to(tl.float32), 0.0)
+            g = _rounded(tl.load(gate + mod, mask=m, other=0.0).to(tl.float32)
+                         * tl.load(res + at, mask=m, other=0.0).to(tl.float32), dt)
+            v = _rounded(v + g, dt)
+            tl.store(x_out + at, v.to(dt), mask=m)
+        vf = tl.where(m, v, 0.0)
         mean = tl.sum(vf, axis=0) / N
         d = tl.where(m, vf - mean, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / N + eps)
-        h = (d * rstd).to(v.dtype)
-        one_plus = (1.0 + tl.load(scale + mod, mask=m, other=0.0).to(tl.float32)).to(v.dtype)
-        h = (h.to(tl.float32) * one_plus.to(tl.float32)).to(v.dtype)
-        h = (h.to(tl.float32) + tl.load(shift + mod, mask=m, other=0.0).to(tl.float32)).to(v.dtype)
+        h = _rounded(d * rstd, dt)
+        one_plus = _rounded(1.0 + tl.load(scale + mod, mask=m, other=0.0).to(tl.float32), dt)
+        h = _rounded(h * one_plus, dt)
+        h = _rounded(h + tl.load(shift + mod, mask=m, other=0.0).to(tl.float32), dt)
         if KEEP:
-            tl.store(m_out + at, h, mask=m)
-        amax = tl.max(tl.abs(tl.where(m, h.to(tl.float32), 0.0)), axis=0)
+            tl.store(m_out + at, h.to(dt), mask=m)
+        amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=0)
         s = tl.maximum(amax / 448.0, 1e-12)
         tl.store(q_out + at, _e4m3_codes(h, 1.0 / s, m, EMULATE), mask=m)
         tl.store(s_out + row, s)
@@ -123,7 +141,7 @@ def norm_modulate_quantize_rows(x_SBH: torch.Tensor, shift_BH: torch.Tensor, sca
         x_SBH, res, mods[2] if has_res else mods[0], mods[0], mods[1], x_out if has_res else x_SBH,
         m_out if keep_modulated else x_SBH, q, s, batch, stride, float(eps), N=h, HAS_RES=has_res,
         KEEP=keep_modulated, BLOCK=block, EMULATE=not x_SBH.is_cuda if fp8._EMULATE is None else fp8._EMULATE,
-        num_warps=max(4, min(8, block // 512)))
+        num_warps=max(4, min(8, block // 512)), enable_fp_fusion=False)
     return x_out, m_out, q, s
 
 

@@ -75,6 +75,10 @@ def _kernel_vs_reference(device: str, dtype: torch.dtype) -> None:
         if keep:
             torch.testing.assert_close(m.float(), rm.float(), rtol=1e-5 if tight else 2 ** -7,
                                        atol=1e-5 if tight else 2 ** -7)
+            # each op rounded to the 16-bit dtype as eager rounds it: bit-equal but where the statistics' sums
+            # round apart (a GPU kernel that skipped the roundings between the ops left 28 % of a bf16 m one step off;
+            # float32's m differs in its last bits with the sums' order)
+            assert tight or (m == rm).float().mean() > 0.99
         torch.testing.assert_close(s, rs, rtol=1e-5 if tight else 2 ** -7, atol=0)
         step = (rq.float().abs() * 2.0 ** -3).clamp_min(2.0 ** -9)
         assert ((q.float() - rq.float()).abs() <= step + 1e-6).all()
@@ -83,7 +87,8 @@ def _kernel_vs_reference(device: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter only")
 def test_kernel_interpreted():
-    _kernel_vs_reference("cpu", torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):  # bfloat16: the roundings by the kernel's integer arithmetic
+        _kernel_vs_reference("cpu", dtype)
 
 
 def test_kernel_on_cpu():
