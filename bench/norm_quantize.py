@@ -68,11 +68,11 @@ def main(argv=None) -> None:
             return compiled(x, shift, scale, EPS, r, gate, bias if residual else None)
 
         (_, _, q, s), (_, _, iq, i_s) = ours(), theirs()
-        eager = norm_quantize_reference(x, shift, scale, EPS, *((r + bias, gate) if residual else (None, None)))
+        res = (r + bias, gate) if residual else (None, None)
+        eager = norm_quantize_reference(x, shift, scale, EPS, *res)
         # the kernel rounds each op as eager does: its m bit-equal to eager's but where the LayerNorm's float32 sums
         # round apart (one bf16 step of an intermediate, which h (1 + scale) + shift's cancellation can make many
         # e4m3 steps of a small m: seen at 3 of 50 M codes on an H100), and its codes those of its own m
-        res = (r + bias, gate) if residual else (None, None)
         _, m_kept, q_kept, _ = norm_modulate_quantize_rows(x, shift, scale, EPS, *res, True)
         m_apart = float((m_kept != eager[1]).float().mean())
         if m_apart > 1e-4:
