@@ -5,7 +5,7 @@ Prints one table.
     python bench/rollout_forward.py [--family qwen_image | sd3] [--batches 1 8 16] [--layers N] [--repeats 5]
                                     [--compile default] [--no-eager] [--no-reference] [--profile]
                                     [--fusion fused unfused qkv-sum] [--lora 64] [--modulation table computed]
-                                    [--blocks-per-graph 1 2 4] [--fp8 none handoff plain]
+                                    [--blocks-per-graph 1 2 4] [--fp8 none handoff plain adaln]
                                     [--lora-weights separate merged] [--smoke]
 
 ``--family``: ``qwen_image`` (the default): Qwen-Image 20 B (60 blocks) against QwenImageTransformer2DModel, 128 text
@@ -23,8 +23,10 @@ time per batch printed apart, the modulation products then not counted in the fo
 ``computed``: rows at random sigmas.
 ``--blocks-per-graph``: under --compile, consecutive blocks per compiled graph (megatron_omni.compile).
 ``--fp8``: ours with the FP8 rollout GEMMs (model_specs.common.fp8, as ``rollout.fp8=true`` runs them): ``handoff``
-as the engine runs them, ``plain`` with the MLPs unfused (fc2 quantizing its own input), ``none`` bf16 (the
-default); MFU stays against the bf16 peak.
+as the engine runs them, ``plain`` with the MLPs unfused (fc2 quantizing its own input), ``adaln`` the handoff with
+the one-pass adaLN -> FP8 input (``rollout.fp8_adaln_kernel``, model_specs.common.norm_quantize), ``none`` bf16 (the
+default); MFU stays against the bf16 peak.  An arm named twice runs twice (alternating A/B in one run: ``--fp8
+handoff adaln handoff adaln``), its rows numbered.
 ``--lora-weights`` (with ``--lora``): ``separate`` (the default) the base's and the adapters' products apart, as the
 trainer computes them; ``merged`` the adapters merged into the rollout's weights (``rollout.lora_weights=merged``,
 model_specs.common.rollout_linear), with the time to rebuild the merged copies after a weight change printed (what
@@ -143,6 +145,10 @@ def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lor
             for m in (m for m in model.modules() if isinstance(m, GeluMLP) and m.fused):
                 m.fused, count = False, count - 1
         print(f"fused modules: {count}", flush=True)
+    if fp8 == "adaln":  # after the fusions, as the engine does (its blocks must run fused in FP8)
+        from model_specs.common.norm_quantize import enable_adaln_fp8
+
+        print(f"blocks with the one-pass adaLN -> FP8 input: {enable_adaln_fp8(model)}", flush=True)
     if fused == "qkv-sum":  # the QKV's bias and LoRA output added by their own pass (the path before 2026-12-01)
         import model_specs.qwen_image.layers as layers
         from model_specs.common.fusion import column_parts
@@ -268,10 +274,11 @@ def main() -> None:
     p.add_argument("--blocks-per-graph", type=int, nargs="+", default=[None], metavar="K",
                    help="under --compile: consecutive blocks per compiled graph, one run per K (default: "
                         "megatron_omni.compile.BLOCKS_PER_GRAPH)")
-    p.add_argument("--fp8", nargs="+", choices=("none", "handoff", "plain"), default=["none"],
+    p.add_argument("--fp8", nargs="+", choices=("none", "handoff", "plain", "adaln"), default=["none"],
                    help="ours with the rollout's FP8 GEMMs (rollout.fp8): handoff = as the engine runs them (fc1's "
                         "output reaches fc2 quantized in one pass, fp8.gelu_quantize_rows), plain = the MLPs "
-                        "unfused (fc2 quantizes its own input); none = bf16")
+                        "unfused (fc2 quantizes its own input), adaln = handoff with the one-pass adaLN -> FP8 "
+                        "input (rollout.fp8_adaln_kernel); none = bf16.  An arm named twice runs twice (A/B)")
     p.add_argument("--lora-weights", nargs="+", choices=("separate", "merged"), default=["separate"],
                    help="with --lora: the adapters apart (the trainer's ops) and / or merged into the rollout's "
                         "weights (rollout.lora_weights=merged)")
@@ -279,6 +286,8 @@ def main() -> None:
     args = p.parse_args()
     if "merged" in args.lora_weights and not args.lora:
         p.error("--lora-weights merged merges LoRA adapters; expected --lora R too")
+    if "adaln" in args.fp8 and args.fusion != ["fused"]:
+        p.error(f"--fp8 adaln runs the fused blocks' FP8 path; expected --fusion fused alone, got {args.fusion}")
     if "qkv-sum" in args.fusion and args.family != "qwen_image":
         p.error(f"--fusion qkv-sum patches Qwen-Image's attention; expected --family qwen_image, got {args.family}")
     if not args.smoke and not torch.cuda.is_available():
@@ -287,20 +296,23 @@ def main() -> None:
     w.batches = args.batches or w.batches
     results = {}
     lora = f" lora{args.lora}" if args.lora else ""
-    for mode in ([None] if not args.no_eager else []) + args.compile:
-        for fusion, modulation, per_graph, fp8, merge in [
-                (f, m, k, q, lw) for f in args.fusion for m in args.modulation
-                for k in (args.blocks_per_graph if mode else [None]) for q in args.fp8 for lw in args.lora_weights]:
-            _release()
-            graphs = "" if per_graph is None else f" {per_graph}/graph"
-            quant = "" if fp8 == "none" else f" fp8-{fp8}"
-            merged = " merged" if merge == "merged" else ""
-            name = (f"ours {mode or 'eager'}{lora}{merged}{graphs}{quant} {fusion}"
-                    f"{' table' if modulation == 'table' else ''}")
-            print(f"--- {name}", flush=True)
-            results[name] = ours(w, args.repeats, mode, args.profile,
-                                 {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
-                                 modulation == "table", per_graph, args.top, fp8, merge)
+    arms = [(m, f, mo, k, q, lw) for m in ([None] if not args.no_eager else []) + args.compile for f in args.fusion
+            for mo in args.modulation for k in (args.blocks_per_graph if m else [None]) for q in args.fp8
+            for lw in args.lora_weights]
+    repeated = {a for a in arms if arms.count(a) > 1}  # numbered from their first run: "#1", "#2", ...
+    for arm in arms:
+        mode, fusion, modulation, per_graph, fp8, merge = arm
+        _release()
+        graphs = "" if per_graph is None else f" {per_graph}/graph"
+        quant = "" if fp8 == "none" else f" fp8-{fp8}"
+        merged = " merged" if merge == "merged" else ""
+        name = (f"ours {mode or 'eager'}{lora}{merged}{graphs}{quant} {fusion}"
+                f"{' table' if modulation == 'table' else ''}")
+        name += f" #{sum(n.startswith(name + ' #') for n in results) + 1}" if arm in repeated else ""
+        print(f"--- {name}", flush=True)
+        results[name] = ours(w, args.repeats, mode, args.profile,
+                             {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
+                             modulation == "table", per_graph, args.top, fp8, merge)
     _release()
     if not args.no_reference:
         results["diffusers"] = reference(w, args.repeats)
@@ -308,11 +320,11 @@ def main() -> None:
     side = w.fhw[1] * 16  # pixels: 8x VAE, 2x2 patches
     print(f"\n{device}, {args.family} {get_family(args.family).num_blocks(w.arch)} blocks, {w.dtype}, "
           f"{side}x{side} + {w.text} text tokens, eager")
-    print(f"{'model':<44} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
+    print(f"{'model':<54} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
     for name, rows in results.items():
         for b, ms in rows.items():
             flops = w.flops(b, modulation=not name.endswith(" table"))
-            print(f"{name:<44} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
+            print(f"{name:<54} {b:>5} {ms:>11.1f} {b / ms * 1e3:>12.1f} {flops / ms / 1e9:>8.0f} "
                   f"{flops / ms / 1e9 / (PEAK / 1e12):>6.1%}")
 
 

@@ -30,12 +30,32 @@ def test_smoke_prints_the_table(family, fused, blocks):
     assert re.findall(r"^fused modules: (\d+)$", text, re.M) == [str(fused)] * 2, text[-2000:]
 
 
+def test_smoke_alternates_fp8_arms():
+    """``--fp8 handoff adaln handoff``: three runs in the named order, the repeated arm's rows numbered, and the
+    adaLN arm's blocks (Qwen-Image's 2) on the one-pass FP8 input."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_forward.py"), "--smoke", "--repeats", "1",
+                          "--no-reference", "--fp8", "handoff", "adaln", "handoff"],
+                         cwd=ROOT / "bench", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert re.findall(r"^--- (.*)$", text, re.M) == ["ours eager fp8-handoff fused table #1",
+                                                     "ours eager fp8-adaln fused table",
+                                                     "ours eager fp8-handoff fused table #2"], text[-2000:]
+    assert re.findall(r"^blocks with the one-pass adaLN -> FP8 input: (\d+)$", text, re.M) == ["2"], text[-2000:]
+    rows = re.findall(r"^(ours .+?)\s+2\s+([\d.]+)\s", text, re.M)
+    assert [r[0].strip() for r in rows] == re.findall(r"^--- (.*)$", text, re.M), text[-2000:]
+
+
 def test_refuses_what_cannot_run():
     run = [sys.executable, str(ROOT / "bench" / "rollout_forward.py"), "--family", "sd3", "--smoke", "--fusion",
            "qkv-sum"]
     out = subprocess.run(run, cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--fusion qkv-sum patches Qwen-Image's attention; expected --family qwen_image, " \
                                    "got sd3" in out.stderr
+    out = subprocess.run(run[:-2] + ["--fp8", "adaln", "--fusion", "unfused"], cwd=ROOT / "bench",
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--fp8 adaln runs the fused blocks' FP8 path; expected --fusion fused alone, " \
+                                   "got ['unfused']" in out.stderr
 
 
 def test_smoke_fp8_variants():
