@@ -10,7 +10,7 @@ epilogue), the Qwen-Image ``JointAttention`` (q / k norm + RoPE + joint layout i
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from model_specs.common.lora import LoRALinear
 from model_specs.common.norm_quantize import FP8Input
@@ -60,6 +60,29 @@ def column_parts(linear: torch.nn.Module, x: torch.Tensor):
         adapter = wrapped and linear.enabled and not linear.merged_in_base(x)
         return product, base.bias, linear.low_rank(x) if adapter else None
     return linear(x)[0], None, None
+
+
+def local_row(linear: torch.nn.Module) -> bool:
+    """A megatron-core row-parallel linear on one rank (no reduction), adding its own bias: its output is x W^T + b,
+    no sequence parallelism."""
+    return (isinstance(linear, RowParallelLinear) and linear.bias is not None and not linear.sequence_parallel
+            and not linear.skip_bias_add and linear.tp_group.size() == 1)
+
+
+def row_parts(linear: torch.nn.Module, x: torch.Tensor):
+    """``linear(x)``'s output for a consumer that adds the bias itself, as (product [.., O], bias [O] or None); their
+    sum is ``linear(x)[0]``.  An FP8 ``local_row`` base (``rollout_linear.RolloutLinear``; a ``LoRALinear`` on one
+    only with its adapter merged there): its FP8 product and its bias apart, so that the consumer (the block's
+    one-pass adaLN input, ``norm_quantize``) adds the bias as it reads the product instead of a pass writing their
+    sum first.  Anything else: its own forward."""
+    wrapped = isinstance(linear, LoRALinear)
+    base = linear.base if wrapped else linear
+    if (isinstance(base, RolloutLinear) and local_row(base)
+            and not (wrapped and linear.enabled and not linear.merged_in_base(x))):
+        product = base.fp8_product(x)
+        if product is not None:
+            return product, base.bias
+    return linear(x)[0], None
 
 
 def _members(model: torch.nn.Module):

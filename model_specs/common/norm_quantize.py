@@ -39,12 +39,15 @@ if triton is not None:
     from model_specs.common.fp8 import _e4m3_codes
 
     @triton.jit
-    def _rounded(v, dtype: tl.constexpr):
-        """v (float32) rounded to ``dtype``, to nearest even as eager rounds an op's result, returned as float32.
-        bfloat16 by integer arithmetic on the bits: exact on every backend (Triton's CPU interpreter truncates a
-        cast) and never folded away (a bare ``.to(dtype).to(tl.float32)`` may be, and with FMA contraction the next
-        op then reads the unrounded value: seen on an H100, 28 % of a bf16 row's m one step off eager's)."""
-        if dtype == tl.bfloat16:
+    def _rounded(v, dtype: tl.constexpr, ROUND: tl.constexpr):
+        """v (float32) rounded to ``dtype``, to nearest even as eager rounds an op's result, returned as float32
+        (``ROUND``; else v itself: float32 between the ops, as inductor fuses them).  bfloat16 by integer arithmetic
+        on the bits: exact on every backend (Triton's CPU interpreter truncates a cast) and never folded away (a bare
+        ``.to(dtype).to(tl.float32)`` may be, and with FMA contraction the next op then reads the unrounded value:
+        seen on an H100, 28 % of a bf16 row's m one step off eager's)."""
+        if not ROUND:
+            return v
+        elif dtype == tl.bfloat16:
             b = v.to(tl.uint32, bitcast=True)
             b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
             return b.to(tl.float32, bitcast=True)
@@ -54,52 +57,69 @@ if triton is not None:
             return v
 
     @triton.jit
-    def _norm_quantize_kernel(x, res, gate, shift, scale, x_out, m_out, q_out, s_out, batch, mod_stride, eps,
-                              N: tl.constexpr, HAS_RES: tl.constexpr, KEEP: tl.constexpr, BLOCK: tl.constexpr,
+    def _norm_quantize_kernel(x, res, bias, gate, shift, scale, x_out, m_out, q_out, s_out, M, batch, mod_stride,
+                              eps, N: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              KEEP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, ROUND: tl.constexpr,
                               EMULATE: tl.constexpr):
-        """One program per row, the row whole in registers (BLOCK >= N).  ``mod_stride``: the row stride of gate /
-        shift / scale between samples (0: one row for the batch).  Launched without FMA contraction
-        (``enable_fp_fusion=False``): each op rounds on its own, as eager's."""
-        row = tl.program_id(0).to(tl.int64)
-        at = row * N + tl.arange(0, BLOCK)
+        """``ROWS`` rows per program, each whole in registers (BLOCK >= N).  ``mod_stride``: the row stride of gate /
+        shift / scale between samples (0: one row for the batch).  ``ROUND``: each op rounded to x's dtype as
+        eager rounds it, launched without FMA contraction (``enable_fp_fusion=False``); else float32 between the
+        ops, rounded where stored (as inductor's fusion of the same ops)."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        m = cols < N
-        mod = (row % batch) * mod_stride + cols
+        m = (rows < M)[:, None] & (cols < N)[None, :]
+        at = rows[:, None] * N + cols[None, :]
+        mod = ((rows % batch) * mod_stride)[:, None] + cols[None, :]
         v = tl.load(x + at, mask=m, other=0.0)
         dt: tl.constexpr = v.dtype
-        v = v.to(tl.float32)  # every value below float32 holding one of dt (the stores' casts to dt are exact)
+        v = v.to(tl.float32)
         if HAS_RES:
-            g = _rounded(tl.load(gate + mod, mask=m, other=0.0).to(tl.float32)
-                         * tl.load(res + at, mask=m, other=0.0).to(tl.float32), dt)
-            v = _rounded(v + g, dt)
-            tl.store(x_out + at, v.to(dt), mask=m)
+            r = tl.load(res + at, mask=m, other=0.0).to(tl.float32)
+            if HAS_BIAS:  # the residual's bias (a linear's, added after its product as eager adds it)
+                r = _rounded(r + tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :], dt, ROUND)
+            g = _rounded(tl.load(gate + mod, mask=m, other=0.0).to(tl.float32) * r, dt, ROUND)
+            v = _rounded(v + g, dt, ROUND)
+            tl.store(x_out + at, _rounded(v, dt, EMULATE).to(dt), mask=m)  # (the interpreter's cast truncates)
         vf = tl.where(m, v, 0.0)
-        mean = tl.sum(vf, axis=0) / N
-        d = tl.where(m, vf - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / N + eps)
-        h = _rounded(d * rstd, dt)
-        one_plus = _rounded(1.0 + tl.load(scale + mod, mask=m, other=0.0).to(tl.float32), dt)
-        h = _rounded(h * one_plus, dt)
-        h = _rounded(h + tl.load(shift + mod, mask=m, other=0.0).to(tl.float32), dt)
+        mean = tl.sum(vf, axis=1) / N
+        d = tl.where(m, vf - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
+        h = _rounded(d * rstd[:, None], dt, ROUND)
+        one_plus = _rounded(1.0 + tl.load(scale + mod, mask=m, other=0.0).to(tl.float32), dt, ROUND)
+        h = _rounded(h * one_plus, dt, ROUND)
+        h = _rounded(h + tl.load(shift + mod, mask=m, other=0.0).to(tl.float32), dt, ROUND)
         if KEEP:
-            tl.store(m_out + at, h.to(dt), mask=m)
-        amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=0)
+            tl.store(m_out + at, _rounded(h, dt, EMULATE).to(dt), mask=m)
+        amax = tl.max(tl.abs(tl.where(m, h, 0.0)), axis=1)
         s = tl.maximum(amax / 448.0, 1e-12)
-        tl.store(q_out + at, _e4m3_codes(h, 1.0 / s, m, EMULATE), mask=m)
-        tl.store(s_out + row, s)
+        tl.store(q_out + at, _e4m3_codes(h, (1.0 / s)[:, None], m, EMULATE), mask=m)
+        tl.store(s_out + rows, s, mask=rows < M)
 
 
-def norm_quantize_reference(x_SBH, shift_BH, scale_BH, eps, residual_SBH=None, gate_BH=None):
-    """The torch ops the kernel replaces: (x', m, Q [M, H], s [M, 1])."""
+def norm_quantize_reference(x_SBH, shift_BH, scale_BH, eps, residual_SBH=None, gate_BH=None, bias_H=None):
+    """The torch ops the kernel replaces: (x', m, Q [M, H], s [M, 1]); ``bias_H``: the residual's (r + bias)."""
     if residual_SBH is not None:
-        x_SBH = x_SBH + gate_BH[None] * residual_SBH
+        x_SBH = x_SBH + gate_BH[None] * (residual_SBH if bias_H is None else residual_SBH + bias_H)
     m_SBH = F.layer_norm(x_SBH, x_SBH.shape[-1:], eps=eps) * (1 + scale_BH[None]) + shift_BH[None]
     return (x_SBH, m_SBH, *quantize_rows(m_SBH.reshape(-1, m_SBH.shape[-1])))
 
 
-def _check(x_SBH, shift_BH, scale_BH, residual_SBH, gate_BH) -> None:
+def fused_reference(x_SBH, shift_BH, scale_BH, eps, residual_SBH=None, gate_BH=None, bias_H=None):
+    """The same ops in float32 throughout, x' and m rounded to x's dtype only where returned and the codes from
+    the float32 m: what a fusion without intermediate roundings computes (inductor's; the kernel's ``round=False``
+    launch)."""
+    f = [None if t is None else t.float() for t in (x_SBH, shift_BH, scale_BH, residual_SBH, gate_BH, bias_H)]
+    xn, m, q, s = norm_quantize_reference(f[0], f[1], f[2], eps, *f[3:])
+    return xn.to(x_SBH.dtype), m.to(x_SBH.dtype), q, s
+
+
+def _check(x_SBH, shift_BH, scale_BH, residual_SBH, gate_BH, bias_H) -> None:
     if (residual_SBH is None) != (gate_BH is None):
         raise ValueError("norm_modulate_quantize_rows: a residual needs its gate and a gate its residual")
+    if bias_H is not None and (residual_SBH is None or bias_H.shape != x_SBH.shape[-1:]):
+        raise ValueError(f"norm_modulate_quantize_rows: bias {tuple(bias_H.shape)}"
+                         f"{'' if residual_SBH is not None else ' without a residual'}; expected [{x_SBH.shape[-1]}] "
+                         f"with a residual (the residual's bias)")
     s, b, h = x_SBH.shape
     mods = [("shift", shift_BH), ("scale", scale_BH)] + ([("gate", gate_BH)] if residual_SBH is not None else [])
     for name, t in mods:
@@ -111,16 +131,28 @@ def _check(x_SBH, shift_BH, scale_BH, residual_SBH, gate_BH) -> None:
                          f"{tuple(x_SBH.shape)}")
 
 
+# (rows per program, warps, eager's roundings) for the kernel instead of ``launch_of``'s (bench/norm_quantize.py)
+_LAUNCH: tuple[int, int, bool] | None = None
+
+
+def launch_of(h: int) -> tuple[int, int, bool]:
+    """(rows per program, warps, eager's roundings) of the kernel for rows of ``h``."""
+    block = triton.next_power_of_2(h)
+    return 1, max(4, min(8, block // 512)), True
+
+
 @torch.library.custom_op("megatron_omni::norm_modulate_quantize_rows", mutates_args=())
 def norm_modulate_quantize_rows(x_SBH: torch.Tensor, shift_BH: torch.Tensor, scale_BH: torch.Tensor, eps: float,
                                 residual_SBH: torch.Tensor | None, gate_BH: torch.Tensor | None,
-                                keep_modulated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x' [S, B, H] = x + gate r, or an empty tensor without a residual; m [S, B, H], or empty unless
+                                keep_modulated: bool, bias_H: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x' [S, B, H] = x + gate (r + bias), or an empty tensor without a residual; m [S, B, H], or empty unless
     ``keep_modulated``; Q [S·B, H] e4m3; s [S·B, 1] float32) with m = LayerNorm(x') (1 + scale) + shift ≈ s Q per
-    row.  gate / shift / scale: [B or 1, H] (views of a modulation's chunks are fine)."""
-    _check(x_SBH, shift_BH, scale_BH, residual_SBH, gate_BH)
+    row.  gate / shift / scale: [B or 1, H] (views of a modulation's chunks are fine); ``bias_H`` [H]: the
+    residual's bias (a linear's, left for this pass to add), or None."""
+    _check(x_SBH, shift_BH, scale_BH, residual_SBH, gate_BH, bias_H)
     if not fp8._runs_gelu_kernel(x_SBH):
-        xn, m_SBH, q, s = norm_quantize_reference(x_SBH, shift_BH, scale_BH, eps, residual_SBH, gate_BH)
+        xn, m_SBH, q, s = norm_quantize_reference(x_SBH, shift_BH, scale_BH, eps, residual_SBH, gate_BH, bias_H)
         return (xn if residual_SBH is not None else x_SBH.new_empty(0)), \
             (m_SBH if keep_modulated else x_SBH.new_empty(0)), q, s
     seq, batch, h = x_SBH.shape
@@ -136,17 +168,19 @@ def norm_modulate_quantize_rows(x_SBH: torch.Tensor, shift_BH: torch.Tensor, sca
     if len({(t.shape[0], t.stride(0)) for t in mods}) != 1:
         mods = [t.expand(batch, h).contiguous() for t in mods]
     stride = mods[0].stride(0) if mods[0].shape[0] > 1 else 0
-    block = triton.next_power_of_2(h)
-    _norm_quantize_kernel[(seq * batch,)](
-        x_SBH, res, mods[2] if has_res else mods[0], mods[0], mods[1], x_out if has_res else x_SBH,
-        m_out if keep_modulated else x_SBH, q, s, batch, stride, float(eps), N=h, HAS_RES=has_res,
-        KEEP=keep_modulated, BLOCK=block, EMULATE=not x_SBH.is_cuda if fp8._EMULATE is None else fp8._EMULATE,
-        num_warps=max(4, min(8, block // 512)), enable_fp_fusion=False)
+    rows, warps, rounds = _LAUNCH or launch_of(h)
+    _norm_quantize_kernel[(triton.cdiv(seq * batch, rows),)](
+        x_SBH, res, bias_H.contiguous() if bias_H is not None else x_SBH, mods[2] if has_res else mods[0], mods[0],
+        mods[1], x_out if has_res else x_SBH, m_out if keep_modulated else x_SBH, q, s, seq * batch, batch, stride,
+        float(eps), N=h, HAS_RES=has_res, HAS_BIAS=bias_H is not None, KEEP=keep_modulated,
+        BLOCK=triton.next_power_of_2(h), ROWS=rows, ROUND=rounds,
+        EMULATE=not x_SBH.is_cuda if fp8._EMULATE is None else fp8._EMULATE, num_warps=warps,
+        enable_fp_fusion=not rounds)
     return x_out, m_out, q, s
 
 
 @norm_modulate_quantize_rows.register_fake
-def _(x_SBH, shift_BH, scale_BH, eps, residual_SBH, gate_BH, keep_modulated):
+def _(x_SBH, shift_BH, scale_BH, eps, residual_SBH, gate_BH, keep_modulated, bias_H=None):
     seq, batch, h = x_SBH.shape
     x_out = torch.empty_like(x_SBH) if residual_SBH is not None else x_SBH.new_empty(0)
     m_out = torch.empty_like(x_SBH) if keep_modulated else x_SBH.new_empty(0)

@@ -12,7 +12,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
 from model_specs.common import fp8
-from model_specs.common.fusion import column_parts, local_column, plain_column
+from model_specs.common.fusion import column_parts, local_column, plain_column, row_parts
 from model_specs.common.lora import LoRALinear
 from model_specs.common.norm_quantize import FP8Input, adaln_layer_norm, norm_modulate_quantize_rows
 from model_specs.common.qk_norm_rope import apply_rope, joint_qk_norm_rope, rms_norms_fusable
@@ -77,10 +77,15 @@ class JointAttention(MegatronModule):
         q, k, v = qkv_SBN3D.view(s, b, self.local_heads, 3 * self.head_dim).split(self.head_dim, dim=-1)
         return apply_rope(q_layernorm(q), freqs), apply_rope(k_layernorm(k), freqs), v
 
-    def forward(self, img_SBH, txt_SBH, cond: QwenImageConditioning):
+    def forward(self, img_SBH, txt_SBH, cond: QwenImageConditioning, defer_bias: bool = False):
+        """(image output, text output); ``defer_bias`` (the fused path): each as (output, its projection's bias
+        left for the caller to add, or None: ``fusion.row_parts``)."""
         if self.fused and not torch.is_grad_enabled():
             out_SBND = self.core_attention(*self._fused_qkv(img_SBH, txt_SBH, cond), cond.attn_mask_B11S,
                                            text_len=cond.text_len)
+            if defer_bias:
+                return (row_parts(self.linear_proj, out_SBND[cond.text_len:]),
+                        row_parts(self.linear_added_proj, out_SBND[: cond.text_len]))
             return self._out(out_SBND, cond)
         qi, ki, vi = self._qkv(self.linear_qkv, self.q_layernorm, self.k_layernorm, img_SBH, cond.img_freqs)
         qt, kt, vt = self._qkv(self.linear_added_qkv, self.added_q_layernorm, self.added_k_layernorm, txt_SBH,
@@ -104,15 +109,17 @@ def _reads_input(linear) -> bool:
     return isinstance(linear, LoRALinear) and linear.enabled and not linear.base._merge_on
 
 
-def _adaln_input(norm, x_SBH, shift_BH, scale_BH, consumer, residual_SBH=None, gate_BH=None):
-    """(x' = x + gate r, or x; the consumer's input from x'): an ``FP8Input`` from the one-pass kernel
-    (``norm_quantize``) when the stream has enough rows for the FP8 GEMMs, else the modulated activation."""
+def _adaln_input(norm, x_SBH, shift_BH, scale_BH, consumer, residual=(None, None), gate_BH=None):
+    """(x' = x + gate (r + bias), or x; the consumer's input from x'): an ``FP8Input`` from the one-pass kernel
+    (``norm_quantize``) when the stream has enough rows for the FP8 GEMMs, else the modulated activation.
+    ``residual``: (r, its bias or None)."""
+    residual_SBH, bias_H = residual
     if x_SBH.numel() < fp8.MIN_ROWS * x_SBH.shape[-1]:
         if residual_SBH is not None:
-            x_SBH = x_SBH + gate_BH[None] * residual_SBH
+            x_SBH = x_SBH + gate_BH[None] * (residual_SBH if bias_H is None else residual_SBH + bias_H)
         return x_SBH, _modulate(norm(x_SBH), shift_BH, scale_BH)
     xn, m, q, s = norm_modulate_quantize_rows(x_SBH, shift_BH, scale_BH, norm.eps, residual_SBH, gate_BH,
-                                              _reads_input(consumer))
+                                              _reads_input(consumer), bias_H)
     x_SBH = x_SBH if residual_SBH is None else xn
     return x_SBH, FP8Input(q, s, x_SBH, m if m.numel() else None)
 
@@ -183,7 +190,7 @@ class QwenImageBlock(MegatronModule):
             attn, i_fc1, t_fc1 = self.attention, self.img_mlp.linear_fc1, self.txt_mlp.linear_fc1
             img, img_in = _adaln_input(self.img_norm1, img, i_shift1, i_scale1, attn.linear_qkv)
             txt, txt_in = _adaln_input(self.txt_norm1, txt, t_shift1, t_scale1, attn.linear_added_qkv)
-            img_attn, txt_attn = attn(img_in, txt_in, cond)
+            img_attn, txt_attn = attn(img_in, txt_in, cond, defer_bias=True)  # each (output, its bias or None)
             img, img_in = _adaln_input(self.img_norm2, img, i_shift2, i_scale2, i_fc1, img_attn, i_gate1)
             txt, txt_in = _adaln_input(self.txt_norm2, txt, t_shift2, t_scale2, t_fc1, txt_attn, t_gate1)
         else:

@@ -51,30 +51,47 @@ def test_op_without_the_kernel_returns_the_reference_and_empties():
     (dict(scale=torch.zeros(B, H + 1)), r"scale has shape \(3, 201\)"),
     (dict(residual=torch.zeros(S, B, H - 1)), r"residual \(7, 3, 199\); expected x's \(7, 3, 200\)"),
     (dict(gate=None), "a residual needs its gate"),
+    (dict(bias=torch.zeros(H + 2)), r"bias \(202,\); expected \[200\] with a residual"),
+    (dict(bias=torch.zeros(H), residual=None, gate=None), r"bias \(200,\) without a residual"),
 ])
 def test_bad_inputs_name_the_value(bad, match):
     x, r, shift, scale, gate = _inputs("cpu", torch.float32)
-    args = dict(shift=shift, scale=scale, residual=r, gate=gate) | bad
+    args = dict(shift=shift, scale=scale, residual=r, gate=gate, bias=None) | bad
     with pytest.raises(ValueError, match=match):
-        norm_modulate_quantize_rows(x, args["shift"], args["scale"], EPS, args["residual"], args["gate"], False)
+        norm_modulate_quantize_rows(x, args["shift"], args["scale"], EPS, args["residual"], args["gate"], False,
+                                    args["bias"])
 
 
-def _kernel_vs_reference(device: str, dtype: torch.dtype) -> None:
-    """x' bit for bit (the same two rounded ops), m to its dtype's rounding (the statistics' float32 sums may be
-    ordered differently), the scales to m's, the codes within one e4m3 step and mostly equal; a modulation of one
-    row for the batch and one per sample; with and without a residual, m kept or not."""
+# (rows per program, warps, eager's roundings): the product's launch_of (None), several rows per program over a row
+# count they do not divide (S·B = 21), float32 between the ops (inductor's arithmetic)
+LAUNCHES = [None, (4, 4, True), (2, 8, False)]
+
+
+def _kernel_vs_reference(device: str, dtype: torch.dtype, launch, monkeypatch) -> None:
+    """Eager's roundings: x' bit for bit (the same rounded ops), m to its dtype's rounding and, in a 16-bit dtype,
+    bit-equal but where the statistics' float32 sums round apart (ordered differently); float32 between the ops:
+    against ``fused_reference`` (the same ops in float32), x' and m to their dtype's rounding.  The scales to m's,
+    the codes within one e4m3 step and mostly equal; a modulation of one row for the batch and one per sample; with
+    and without a residual (and its bias), m kept or not."""
+    from model_specs.common import norm_quantize
+
+    monkeypatch.setattr(norm_quantize, "_LAUNCH", launch)
+    rounds = (launch or norm_quantize.launch_of(H))[2]
     tight = dtype == torch.float32
-    for mod_rows, residual, keep in ((B, True, True), (1, True, False), (B, False, True), (1, False, False)):
+    tol = dict(rtol=1e-5, atol=1e-5) if tight else dict(rtol=2 ** -7, atol=2 ** -7)
+    for mod_rows, residual, keep, bias in ((B, True, True, True), (1, True, False, False), (B, False, True, False),
+                                           (1, False, False, False)):
         x, r, shift, scale, gate = _inputs(device, dtype, mod_rows, seed=mod_rows)
         args = (r, gate) if residual else (None, None)
-        xn, m, q, s = norm_modulate_quantize_rows(x, shift, scale, EPS, *args, keep)
-        rx, rm, rq, rs = norm_quantize_reference(x, shift, scale, EPS, *args)
+        bias_H = (torch.randn(H, generator=torch.Generator().manual_seed(5)) * 0.3).to(device, dtype) if bias else None
+        xn, m, q, s = norm_modulate_quantize_rows(x, shift, scale, EPS, *args, keep, bias_H)
+        rx, rm, rq, rs = (norm_quantize_reference if rounds else norm_quantize.fused_reference)(
+            x, shift, scale, EPS, *args, bias_H)
         assert (xn.numel() > 0) == residual and (m.numel() > 0) == keep
         if residual:
-            assert torch.equal(xn, rx)
+            assert torch.equal(xn, rx) if rounds else torch.testing.assert_close(xn, rx, **tol) is None
         if keep:
-            torch.testing.assert_close(m.float(), rm.float(), rtol=1e-5 if tight else 2 ** -7,
-                                       atol=1e-5 if tight else 2 ** -7)
+            torch.testing.assert_close(m.float(), rm.float(), **tol)
             # each op rounded to the 16-bit dtype as eager rounds it: bit-equal but where the statistics' sums
             # round apart (a GPU kernel that skipped the roundings between the ops left 28 % of a bf16 m one step off;
             # float32's m differs in its last bits with the sums' order)
@@ -86,9 +103,10 @@ def _kernel_vs_reference(device: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter only")
-def test_kernel_interpreted():
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_kernel_interpreted(launch, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):  # bfloat16: the roundings by the kernel's integer arithmetic
-        _kernel_vs_reference("cpu", dtype)
+        _kernel_vs_reference("cpu", dtype, launch, monkeypatch)
 
 
 def test_kernel_on_cpu():
@@ -100,14 +118,16 @@ def test_kernel_on_cpu():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           f"{__file__}::test_kernel_interpreted", f"{__file__}::test_block_forward_interpreted"],
                          env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and f"{len(LAUNCHES) + 1} passed" in run.stdout, \
+        run.stdout[-3000:] + run.stderr[-3000:]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_on_gpu(dtype):
-    _kernel_vs_reference("cuda", dtype)
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_kernel_on_gpu(dtype, launch, monkeypatch):
+    _kernel_vs_reference("cuda", dtype, launch, monkeypatch)
 
 
 # ---- the Qwen-Image block on the path (CPU: the op's torch ops, the block's own sequence, so bit for bit) ----------
@@ -133,7 +153,8 @@ def _model_inputs(arch, batch=2):
 @pytest.mark.parametrize("adapters", ["none", "separate", "merged"])
 def test_block_hands_its_fp8_gemms_the_one_pass_input(tiny, adapters, monkeypatch):
     """Each block's four adaLN inputs (image / text, before QKV / fc1) come from the op, the modulated activation
-    kept only where an unmerged adapter reads it; on a CPU the op's torch ops are the block's own, so the forward
+    kept only where an unmerged adapter reads it, the attention projections' biases left to the op (their FP8
+    products alone: ``fusion.row_parts``) unless an unmerged adapter adds its output there; on a CPU the op's torch ops are the block's own, so the forward
     is bit-equal to the block's plain FP8 path; autograd on, the trainer's path."""
     from checkpoints_convert.qwen_image import qwen_image_rules
     from model_specs.common.fusion import fuse_inference
@@ -155,12 +176,17 @@ def test_block_hands_its_fp8_gemms_the_one_pass_input(tiny, adapters, monkeypatc
     with torch.no_grad():
         plain = model(*_model_inputs(arch))
     assert enable_adaln_fp8(model) == len(model.blocks)
-    keeps = []
+    keeps, biases = [], []
     real = layers.norm_modulate_quantize_rows
-    monkeypatch.setattr(layers, "norm_modulate_quantize_rows", lambda *a: keeps.append(a[-1]) or real(*a))
+    monkeypatch.setattr(layers, "norm_modulate_quantize_rows",
+                        lambda *a: keeps.append(a[6]) or biases.append(a[7]) or real(*a))
     with torch.no_grad():
         one_pass = model(*_model_inputs(arch))
     assert len(keeps) == 4 * len(model.blocks) and all(k == (adapters == "separate") for k in keeps)
+    deferred = [lambda p: getattr(p, "base", p).bias if adapters != "separate" else None][0]
+    expected = [e for b in model.blocks for e in (None, None, deferred(b.attention.linear_proj),
+                                                  deferred(b.attention.linear_added_proj))]
+    assert len(biases) == len(expected) and all(got is want for got, want in zip(biases, expected))
     assert torch.equal(one_pass, plain)
     keeps.clear()
     model(*_model_inputs(arch))  # autograd on: the model dtype's path, no one-pass input
