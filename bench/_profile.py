@@ -47,9 +47,10 @@ def median_ms(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def gpu_shape_args(doc: str, argv=None):
-    """The row-kernel benches' options (the rollout batch, its text tokens, the repeats), checked, on a CUDA
-    device with Triton (a GPU Triton kernel's bench has no CPU mode): the parsed namespace."""
+def gpu_shape_args(doc: str, argv=None, switches: dict[str, str] | None = None):
+    """The row-kernel benches' options (the rollout batch, its text tokens, the repeats; ``switches``: a bench's own
+    flags, name -> help), checked, on a CUDA device with Triton (a GPU Triton kernel's bench has no CPU mode): the
+    parsed namespace."""
     import argparse
     import importlib.util
 
@@ -57,6 +58,8 @@ def gpu_shape_args(doc: str, argv=None):
     p.add_argument("--batch", type=int, default=16, help="rollout batch (one CFG branch)")
     p.add_argument("--text-tokens", type=int, default=109)
     p.add_argument("--repeats", type=int, default=20)
+    for name, text in (switches or {}).items():
+        p.add_argument(f"--{name}", action="store_true", help=text)
     args = p.parse_args(argv)
     if min(args.batch, args.text_tokens, args.repeats) < 1:
         p.error(f"--batch {args.batch}, --text-tokens {args.text_tokens}, --repeats {args.repeats}: expected >= 1")

@@ -6,7 +6,7 @@ Prints one table.
                                     [--compile default] [--no-eager] [--no-reference] [--profile]
                                     [--fusion fused unfused qkv-sum] [--lora 64] [--modulation table computed]
                                     [--blocks-per-graph 1 2 4] [--fp8 none handoff plain adaln]
-                                    [--lora-weights separate merged] [--smoke]
+                                    [--lora-weights separate merged] [--adaln-launch ROWS,WARPS,ROUND] [--smoke]
 
 ``--family``: ``qwen_image`` (the default): Qwen-Image 20 B (60 blocks) against QwenImageTransformer2DModel, 128 text
 tokens, batches 1 8 16; ``sd3``: SD3.5-Medium (24 blocks, MMDiT-X) against SD3Transformer2DModel at the
@@ -26,7 +26,9 @@ time per batch printed apart, the modulation products then not counted in the fo
 as the engine runs them, ``plain`` with the MLPs unfused (fc2 quantizing its own input), ``adaln`` the handoff with
 the one-pass adaLN -> FP8 input (``rollout.fp8_adaln_kernel``, model_specs.common.norm_quantize), ``none`` bf16 (the
 default); MFU stays against the bf16 peak.  An arm named twice runs twice (alternating A/B in one run: ``--fp8
-handoff adaln handoff adaln``), its rows numbered.
+handoff adaln handoff adaln``), its rows numbered.  ``--adaln-launch``: the ``adaln`` arms' kernel launch (rows
+per program, warps, eager's roundings: bench/norm_quantize.py's ``best:`` line) instead of the product's
+``norm_quantize.launch_of``.
 ``--lora-weights`` (with ``--lora``): ``separate`` (the default) the base's and the adapters' products apart, as the
 trainer computes them; ``merged`` the adapters merged into the rollout's weights (``rollout.lora_weights=merged``,
 model_specs.common.rollout_linear), with the time to rebuild the merged copies after a weight change printed (what
@@ -282,8 +284,19 @@ def main() -> None:
     p.add_argument("--lora-weights", nargs="+", choices=("separate", "merged"), default=["separate"],
                    help="with --lora: the adapters apart (the trainer's ops) and / or merged into the rollout's "
                         "weights (rollout.lora_weights=merged)")
+    p.add_argument("--adaln-launch", default=None, metavar="ROWS,WARPS,ROUND",
+                   help="the adaln arms' kernel launch, e.g. 4,8,false (default: norm_quantize.launch_of)")
     p.add_argument("--smoke", action="store_true", help="the family's tiny config in float32 on the CPU")
     args = p.parse_args()
+    if args.adaln_launch is not None:
+        from model_specs.common import norm_quantize
+
+        if "adaln" not in args.fp8:
+            p.error(f"--adaln-launch {args.adaln_launch} sets the adaln arms' kernel; expected --fp8 adaln too")
+        try:
+            norm_quantize._LAUNCH = norm_quantize.parse_launch(args.adaln_launch)
+        except ValueError as e:
+            p.error(str(e))
     if "merged" in args.lora_weights and not args.lora:
         p.error("--lora-weights merged merges LoRA adapters; expected --lora R too")
     if "adaln" in args.fp8 and args.fusion != ["fused"]:
@@ -318,8 +331,9 @@ def main() -> None:
         results["diffusers"] = reference(w, args.repeats)
     device = torch.cuda.get_device_name() if w.device.type == "cuda" else "cpu (smoke: times mean nothing)"
     side = w.fhw[1] * 16  # pixels: 8x VAE, 2x2 patches
+    launch = f", adaln launch {args.adaln_launch}" if args.adaln_launch else ""
     print(f"\n{device}, {args.family} {get_family(args.family).num_blocks(w.arch)} blocks, {w.dtype}, "
-          f"{side}x{side} + {w.text} text tokens, eager")
+          f"{side}x{side} + {w.text} text tokens, eager{launch}")
     print(f"{'model':<54} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
     for name, rows in results.items():
         for b, ms in rows.items():

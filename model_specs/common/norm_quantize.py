@@ -141,6 +141,18 @@ def launch_of(h: int) -> tuple[int, int, bool]:
     return 1, max(4, min(8, block // 512)), True
 
 
+def parse_launch(text: str) -> tuple[int, int, bool]:
+    """``"ROWS,WARPS,ROUND"`` (bench/norm_quantize.py's ``best:`` line, e.g. ``4,8,false``) as a launch."""
+    parts = text.split(",")
+    ok = (len(parts) == 3 and all(p.strip().isdigit() for p in parts[:2])
+          and parts[2].strip().lower() in ("true", "false"))
+    rows, warps = (int(p) for p in parts[:2]) if ok else (0, 0)
+    if not ok or rows & (rows - 1) or warps & (warps - 1) or not (rows and 1 <= warps <= 32):
+        raise ValueError(f"adaLN kernel launch {text!r}: expected ROWS,WARPS,ROUND with ROWS and WARPS powers of "
+                         f"two (WARPS 1-32) and ROUND true or false, e.g. 4,8,false")
+    return rows, warps, parts[2].strip().lower() == "true"
+
+
 @torch.library.custom_op("megatron_omni::norm_modulate_quantize_rows", mutates_args=())
 def norm_modulate_quantize_rows(x_SBH: torch.Tensor, shift_BH: torch.Tensor, scale_BH: torch.Tensor, eps: float,
                                 residual_SBH: torch.Tensor | None, gate_BH: torch.Tensor | None,

@@ -56,6 +56,13 @@ def test_refuses_what_cannot_run():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--fp8 adaln runs the fused blocks' FP8 path; expected --fusion fused alone, " \
                                    "got ['unfused']" in out.stderr
+    out = subprocess.run(run[:-2] + ["--adaln-launch", "4,8,false"], cwd=ROOT / "bench", capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "--adaln-launch 4,8,false sets the adaln arms' kernel; expected --fp8 adaln " \
+                                   "too" in out.stderr
+    out = subprocess.run(run[:-2] + ["--fp8", "adaln", "--adaln-launch", "3,8,false"], cwd=ROOT / "bench",
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "adaLN kernel launch '3,8,false': expected ROWS,WARPS,ROUND" in out.stderr
 
 
 def test_smoke_fp8_variants():

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from model_specs.common import fp8
+from model_specs.common import fp8, norm_quantize
 from model_specs.common.norm_quantize import norm_modulate_quantize_rows, norm_quantize_reference
 from model_specs.qwen_image.layers import _modulate
 
@@ -62,6 +62,17 @@ def test_bad_inputs_name_the_value(bad, match):
                                     args["bias"])
 
 
+
+@pytest.mark.parametrize("text, launch", [("4,8,false", (4, 8, False)), (" 1, 16, True", (1, 16, True))])
+def test_parse_launch(text, launch):
+    assert norm_quantize.parse_launch(text) == launch
+
+
+@pytest.mark.parametrize("text", ["3,8,false", "4,8", "4,64,true", "4,8,maybe", "0,8,true", "a,8,true"])
+def test_parse_launch_names_the_bad_value(text):
+    with pytest.raises(ValueError, match=f"adaLN kernel launch {text!r}: expected ROWS,WARPS,ROUND"):
+        norm_quantize.parse_launch(text)
+
 # (rows per program, warps, eager's roundings): the product's launch_of (None), several rows per program over a row
 # count they do not divide (S·B = 21), float32 between the ops (inductor's arithmetic)
 LAUNCHES = [None, (4, 4, True), (2, 8, False)]
@@ -73,8 +84,6 @@ def _kernel_vs_reference(device: str, dtype: torch.dtype, launch, monkeypatch) -
     against ``fused_reference`` (the same ops in float32), x' and m to their dtype's rounding.  The scales to m's,
     the codes within one e4m3 step and mostly equal; a modulation of one row for the batch and one per sample; with
     and without a residual (and its bias), m kept or not."""
-    from model_specs.common import norm_quantize
-
     monkeypatch.setattr(norm_quantize, "_LAUNCH", launch)
     rounds = (launch or norm_quantize.launch_of(H))[2]
     tight = dtype == torch.float32
