@@ -62,7 +62,6 @@ def test_bad_inputs_name_the_value(bad, match):
                                     args["bias"])
 
 
-
 @pytest.mark.parametrize("text, launch", [("4,8,false", (4, 8, False)), (" 1, 16, True", (1, 16, True))])
 def test_parse_launch(text, launch):
     assert norm_quantize.parse_launch(text) == launch
@@ -72,6 +71,7 @@ def test_parse_launch(text, launch):
 def test_parse_launch_names_the_bad_value(text):
     with pytest.raises(ValueError, match=f"adaLN kernel launch {text!r}: expected ROWS,WARPS,ROUND"):
         norm_quantize.parse_launch(text)
+
 
 # (rows per program, warps, eager's roundings): the product's launch_of (None), several rows per program over a row
 # count they do not divide (S·B = 21), float32 between the ops (inductor's arithmetic)
@@ -163,8 +163,9 @@ def _model_inputs(arch, batch=2):
 def test_block_hands_its_fp8_gemms_the_one_pass_input(tiny, adapters, monkeypatch):
     """Each block's four adaLN inputs (image / text, before QKV / fc1) come from the op, the modulated activation
     kept only where an unmerged adapter reads it, the attention projections' biases left to the op (their FP8
-    products alone: ``fusion.row_parts``) unless an unmerged adapter adds its output there; on a CPU the op's torch ops are the block's own, so the forward
-    is bit-equal to the block's plain FP8 path; autograd on, the trainer's path."""
+    products alone: ``fusion.row_parts``) unless an unmerged adapter adds its output there; on a CPU the op's torch
+    ops are the block's own, so the forward is bit-equal to the block's plain FP8 path; autograd on, the trainer's
+    path."""
     from checkpoints_convert.qwen_image import qwen_image_rules
     from model_specs.common.fusion import fuse_inference
     from model_specs.common.lora import FLOW_GRPO_TARGETS, apply_lora
@@ -192,7 +193,9 @@ def test_block_hands_its_fp8_gemms_the_one_pass_input(tiny, adapters, monkeypatc
     with torch.no_grad():
         one_pass = model(*_model_inputs(arch))
     assert len(keeps) == 4 * len(model.blocks) and all(k == (adapters == "separate") for k in keeps)
-    deferred = [lambda p: getattr(p, "base", p).bias if adapters != "separate" else None][0]
+    def deferred(proj):
+        return getattr(proj, "base", proj).bias if adapters != "separate" else None
+
     expected = [e for b in model.blocks for e in (None, None, deferred(b.attention.linear_proj),
                                                   deferred(b.attention.linear_added_proj))]
     assert len(biases) == len(expected) and all(got is want for got, want in zip(biases, expected))
