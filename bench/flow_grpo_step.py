@@ -178,7 +178,7 @@ def run_ours(cfg, steps: int, warmup: int, profile: tuple[str, ...]) -> tuple[Lo
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
     from megatron_omni.trainer.build import build_run
     from megatron_omni.trainer.loop import rl_step
-    from megatron_omni.trainer.run import check_loop_layout, check_task_fits
+    from megatron_omni.trainer.run import check_device_fits, check_loop_layout, check_task_fits
 
     compiled = ", ".join(f"{what}: {mode}" for what, mode in (("rollout", cfg.rollout.compile),
                                                                ("train", cfg.train.compile)) if mode)
@@ -190,6 +190,11 @@ def run_ours(cfg, steps: int, warmup: int, profile: tuple[str, ...]) -> tuple[Lo
     state = init_parallel(tp=q.tp, cp=q.cp, pp=q.pp, ulysses=q.ulysses, seed=cfg.train.seed, device=q.device)
     run, shape, device = None, {}, state.torch_device
     try:
+        try:
+            check_device_fits(cfg, state)
+        except ValueError as e:  # a card too small for the shape: refused here, not at its first step
+            result.error = str(e).splitlines()[0]
+            return result, shape
         start = time.perf_counter()
         task = task_for(cfg, state.torch_device)
         check_task_fits(cfg, task)

@@ -41,6 +41,13 @@ def check_data_parallel(cfg: RunConfig, dp: int) -> None:
                          f"multiple of {t.micro_batch_size * dp}")
 
 
+def check_device_fits(cfg: RunConfig, state) -> None:
+    """On an accelerator, refuse before anything is built a layout whose memory estimate cannot fit the device
+    (megatron_omni.trainer.memory.check_fits); nothing on a CPU."""
+    if device_bytes := device_memory(state):
+        check_fits(estimate(cfg, state.world_size, state=state), device_bytes)
+
+
 def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
     from megatron_omni.trainer.loop import train
 
@@ -49,8 +56,7 @@ def run_training(cfg: RunConfig, resume: bool = False) -> list[dict]:
                           ulysses=cfg.parallel.ulysses, seed=cfg.train.seed, device=cfg.parallel.device)
     try:
         check_data_parallel(cfg, state.dp)
-        if device_bytes := device_memory(state):  # an accelerator: refuse a layout that cannot fit, before building
-            check_fits(estimate(cfg, state.world_size, state=state), device_bytes)
+        check_device_fits(cfg, state)
         task = task_for(cfg, state.torch_device)
         check_task_fits(cfg, task)
         _, done = train(cfg, state, task, cfg.train.output_dir, resume=resume)

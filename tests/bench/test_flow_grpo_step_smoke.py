@@ -58,3 +58,20 @@ def test_smoke_under_torchrun_at_pp2_prints_one_table():
     assert "2 ranks (torchrun): tp 1 x cp 1 x pp 2 x dp 1" in out.stdout
     line = re.search(r"last step \(the loop's metrics\): logprob_abs_diff (\S+),", out.stdout)
     assert line and float(line.group(1)) < 1e-6, out.stdout[-3000:]
+
+
+def test_a_device_too_small_is_refused_before_the_run_is_built(monkeypatch, capsys):
+    """The bench holds the run's memory estimate against the device before build_run (as `megatron-omni train`
+    does): the table's row says why, and the reference (same shape) is not run."""
+    from megatron_omni.trainer import run
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import flow_grpo_step
+
+    monkeypatch.setattr(run, "device_memory", lambda state: 1 << 20)  # a 1 MiB accelerator
+    flow_grpo_step.main(["--smoke", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert "this layout does not fit the device: an estimated" in out, out[-3000:]
+    rows = re.findall(r"^│ ([^│]*?)\s*│ ([^│]*?)\s*│", out, re.M)
+    assert rows and {loop for loop, _ in rows} == {"ours: megatron-omni train's rl_step (eager)", ""}, rows
+    assert not any(phase.startswith("rollout_sampling") for _, phase in rows), rows

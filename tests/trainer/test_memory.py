@@ -47,3 +47,18 @@ def test_cli_prints_or_refuses(capsys):
     assert cli.main(argv + ["lora.rank=64", "--device-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "memory per device" in out and ": fits" in out and "rollout engine" in out
+
+
+def test_train_refuses_a_device_too_small_before_building(monkeypatch, single_rank):
+    """`megatron-omni train` (and bench/flow_grpo_step.py) call run.check_device_fits before building anything:
+    on an accelerator the estimate is held against its memory; on a CPU nothing is checked."""
+    from megatron_omni.trainer import run
+
+    cfg = load_config("digits_flow_grpo", None, TINY)
+    monkeypatch.setattr(run, "device_memory", lambda state: 1 << 20)  # a 1 MiB accelerator
+    with pytest.raises(ValueError, match=r"does not fit the device: .* against 0\.0 GiB usable of 0\.0 GiB"):
+        run.check_device_fits(cfg, single_rank)
+    monkeypatch.setattr(run, "device_memory", lambda state: 80 * GIB)
+    run.check_device_fits(cfg, single_rank)
+    monkeypatch.setattr(run, "device_memory", lambda state: None)  # a CPU
+    run.check_device_fits(cfg, single_rank)
