@@ -23,12 +23,12 @@ time per batch printed apart, the modulation products then not counted in the fo
 ``computed``: rows at random sigmas.
 ``--blocks-per-graph``: under --compile, consecutive blocks per compiled graph (megatron_omni.compile).
 ``--fp8``: ours with the FP8 rollout GEMMs (model_specs.common.fp8, as ``rollout.fp8=true`` runs them): ``handoff``
-as the engine runs them, ``plain`` with the MLPs unfused (fc2 quantizing its own input), ``adaln`` the handoff with
-the one-pass adaLN -> FP8 input (``rollout.fp8_adaln_kernel``, model_specs.common.norm_quantize), ``none`` bf16 (the
-default); MFU stays against the bf16 peak.  An arm named twice runs twice (alternating A/B in one run: ``--fp8
-handoff adaln handoff adaln``), its rows numbered.  ``--adaln-launch``: the ``adaln`` arms' kernel launch (rows
-per program, warps, eager's roundings: bench/norm_quantize.py's ``best:`` line) instead of the product's
-``norm_quantize.launch_of``.
+as the engine runs them with ``rollout.fp8_adaln_kernel=false``, ``plain`` with the MLPs unfused (fc2 quantizing its
+own input), ``adaln`` the handoff with the one-pass adaLN -> FP8 input (``rollout.fp8_adaln_kernel``, the engine's
+default; model_specs.common.norm_quantize), ``none`` bf16 (the default); MFU stays against the bf16 peak. An arm
+named twice runs twice (alternating A/B in one run: ``--fp8 handoff adaln handoff adaln``), its rows numbered.
+``--adaln-launch``: the ``adaln`` arms' kernel launch (rows per program, warps, eager's roundings:
+bench/norm_quantize.py's ``best:`` line) instead of the product's ``norm_quantize.launch_of``.
 ``--lora-weights`` (with ``--lora``): ``separate`` (the default) the base's and the adapters' products apart, as the
 trainer computes them; ``merged`` the adapters merged into the rollout's weights (``rollout.lora_weights=merged``,
 model_specs.common.rollout_linear), with the time to rebuild the merged copies after a weight change printed (what
@@ -277,10 +277,10 @@ def main() -> None:
                    help="under --compile: consecutive blocks per compiled graph, one run per K (default: "
                         "megatron_omni.compile.BLOCKS_PER_GRAPH)")
     p.add_argument("--fp8", nargs="+", choices=("none", "handoff", "plain", "adaln"), default=["none"],
-                   help="ours with the rollout's FP8 GEMMs (rollout.fp8): handoff = as the engine runs them (fc1's "
+                   help="ours with the rollout's FP8 GEMMs (rollout.fp8): handoff = as the engine runs them without the adaLN kernel (fc1's "
                         "output reaches fc2 quantized in one pass, fp8.gelu_quantize_rows), plain = the MLPs "
                         "unfused (fc2 quantizes its own input), adaln = handoff with the one-pass adaLN -> FP8 "
-                        "input (rollout.fp8_adaln_kernel); none = bf16.  An arm named twice runs twice (A/B)")
+                        "input (rollout.fp8_adaln_kernel, the engine's default); none = bf16.  An arm named twice runs twice (A/B)")
     p.add_argument("--lora-weights", nargs="+", choices=("separate", "merged"), default=["separate"],
                    help="with --lora: the adapters apart (the trainer's ops) and / or merged into the rollout's "
                         "weights (rollout.lora_weights=merged)")

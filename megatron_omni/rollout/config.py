@@ -29,8 +29,9 @@ class EngineConfig:
     fp8_fast_accum: bool = True
     # with fp8 and fuse: a block's LayerNorm + modulation (+ the gated residual before its MLP) writes its QKV and
     # fc1 GEMMs' e4m3 input and row scales in one Triton pass per stream (model_specs.common.norm_quantize), instead
-    # of inductor's reductions over the row; Qwen-Image blocks; default off until measured in the FP8 step
-    fp8_adaln_kernel: bool = False
+    # of inductor's reductions over the row; Qwen-Image blocks (others keep the handoff); on by default: the FP8 step's
+    # sampling phase −7.9 % on an H100 (30 blocks, alternating A/B, bench/RESULTS.md); false = inductor's fusion
+    fp8_adaln_kernel: bool = True
     # a LoRA engine's adapters: merged = each adapted linear's rollout weight is W + s·B·A (rebuilt at each weight
     # change; one GEMM instead of the base's and the adapter's skinny two: model_specs.common.rollout_linear;
     # without FP8 a model-dtype copy of the adapted weights while the rollout runs), whose rounding differs from the
