@@ -6,7 +6,8 @@ Prints one table.
                                     [--compile default] [--no-eager] [--no-reference] [--profile]
                                     [--fusion fused unfused qkv-sum] [--lora 64] [--modulation table computed]
                                     [--blocks-per-graph 1 2 4] [--fp8 none handoff plain adaln]
-                                    [--lora-weights separate merged] [--adaln-launch ROWS,WARPS,ROUND] [--smoke]
+                                    [--lora-weights separate merged] [--adaln-launch ROWS,WARPS,ROUND]
+                                    [--dynamic-text] [--smoke]
 
 ``--family``: ``qwen_image`` (the default): Qwen-Image 20 B (60 blocks) against QwenImageTransformer2DModel, 128 text
 tokens, batches 1 8 16; ``sd3``: SD3.5-Medium (24 blocks, MMDiT-X) against SD3Transformer2DModel at the
@@ -29,6 +30,8 @@ default; model_specs.common.norm_quantize), ``none`` bf16 (the default); MFU sta
 named twice runs twice (alternating A/B in one run: ``--fp8 handoff adaln handoff adaln``), its rows numbered.
 ``--adaln-launch``: the ``adaln`` arms' kernel launch (rows per program, warps, eager's roundings:
 bench/norm_quantize.py's ``best:`` line) instead of the product's ``norm_quantize.launch_of``.
+``--dynamic-text``: under --compile, one call a text token shorter before timing, so the timed graphs are those
+compiled with the text length dynamic, as the RL step's are after its second prompt length.
 ``--lora-weights`` (with ``--lora``): ``separate`` (the default) the base's and the adapters' products apart, as the
 trainer computes them; ``merged`` the adapters merged into the rollout's weights (``rollout.lora_weights=merged``,
 model_specs.common.rollout_linear), with the time to rebuild the merged copies after a weight change printed (what
@@ -113,7 +116,7 @@ def workload(family: str, layers: int | None, smoke: bool) -> Workload:
 
 
 def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lora_rank=0, table=True,
-         blocks_per_graph=None, top=12, fp8="none", lora_weights="separate"):
+         blocks_per_graph=None, top=12, fp8="none", lora_weights="separate", dynamic_text=False):
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
 
     family = get_family(w.family)
@@ -179,6 +182,10 @@ def ours(w: Workload, repeats, compile_mode=None, profile=False, fused=True, lor
             if w.device.type == "cuda":
                 torch.cuda.synchronize()
             first = time.perf_counter() - t0
+            if dynamic_text:  # one call a token shorter: the blocks recompile with the text length dynamic, as the
+                model(img, txt[:, :-1], sigma, w.fhw, None, **kw)  # RL step's graphs are after its second length
+                print(f"recompiled at {txt.shape[1] - 1} text tokens ({time.perf_counter() - t0 - first:.1f} s)",
+                      flush=True)
             out[b] = median_ms(lambda: model(img, txt, sigma, w.fhw, None, **kw), repeats)
             print(f"ours{' compiled ' + compile_mode if compile_mode else ''} batch {b}: first call {first:.1f} s, "
                   f"{out[b]:.1f} ms", flush=True)
@@ -276,6 +283,10 @@ def main() -> None:
     p.add_argument("--blocks-per-graph", type=int, nargs="+", default=[None], metavar="K",
                    help="under --compile: consecutive blocks per compiled graph, one run per K (default: "
                         "megatron_omni.compile.BLOCKS_PER_GRAPH)")
+    p.add_argument("--dynamic-text", action="store_true",
+                   help="under --compile: before timing, one call a text token shorter, so that the timed graphs "
+                        "are the ones compiled with the text length dynamic (as in the RL step, whose prompts "
+                        "differ in length)")
     p.add_argument("--fp8", nargs="+", choices=("none", "handoff", "plain", "adaln"), default=["none"],
                    help="ours with the rollout's FP8 GEMMs (rollout.fp8): handoff = as the engine runs them without the adaLN kernel (fc1's "
                         "output reaches fc2 quantized in one pass, fp8.gelu_quantize_rows), plain = the MLPs "
@@ -299,6 +310,8 @@ def main() -> None:
             p.error(str(e))
     if "merged" in args.lora_weights and not args.lora:
         p.error("--lora-weights merged merges LoRA adapters; expected --lora R too")
+    if args.dynamic_text and not args.compile:
+        p.error("--dynamic-text times the graphs compiled with a dynamic text length; expected --compile MODE too")
     if "adaln" in args.fp8 and args.fusion != ["fused"]:
         p.error(f"--fp8 adaln runs the fused blocks' FP8 path; expected --fusion fused alone, got {args.fusion}")
     if "qkv-sum" in args.fusion and args.family != "qwen_image":
@@ -325,7 +338,7 @@ def main() -> None:
         print(f"--- {name}", flush=True)
         results[name] = ours(w, args.repeats, mode, args.profile,
                              {"fused": True, "unfused": False}.get(fusion, fusion), args.lora,
-                             modulation == "table", per_graph, args.top, fp8, merge)
+                             modulation == "table", per_graph, args.top, fp8, merge, args.dynamic_text)
     _release()
     if not args.no_reference:
         results["diffusers"] = reference(w, args.repeats)
@@ -333,7 +346,8 @@ def main() -> None:
     side = w.fhw[1] * 16  # pixels: 8x VAE, 2x2 patches
     launch = f", adaln launch {args.adaln_launch}" if args.adaln_launch else ""
     print(f"\n{device}, {args.family} {get_family(args.family).num_blocks(w.arch)} blocks, {w.dtype}, "
-          f"{side}x{side} + {w.text} text tokens, eager{launch}")
+          f"{side}x{side} + {w.text} text tokens"
+          f"{' (compiled graphs dynamic in it)' if args.dynamic_text else ''}, eager{launch}")
     print(f"{'model':<54} {'batch':>5} {'forward ms':>11} {'img*steps/s':>12} {'TFLOP/s':>8} {'MFU':>6}")
     for name, rows in results.items():
         for b, ms in rows.items():

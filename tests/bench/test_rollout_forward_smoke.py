@@ -1,6 +1,7 @@
 """bench/rollout_forward.py --smoke: the whole script (ours fused / unfused, with and without the per-step inputs,
 diffusers' model beside it) on the family's tiny config on the CPU; the table has a row per variant and batch, and
 the engine's fusions reach the family's blocks (times mean nothing there)."""
+import os
 import re
 import subprocess
 import sys
@@ -63,6 +64,22 @@ def test_refuses_what_cannot_run():
     out = subprocess.run(run[:-2] + ["--fp8", "adaln", "--adaln-launch", "3,8,false"], cwd=ROOT / "bench",
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "adaLN kernel launch '3,8,false': expected ROWS,WARPS,ROUND" in out.stderr
+    out = subprocess.run(run[:-2] + ["--dynamic-text"], cwd=ROOT / "bench", capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "--dynamic-text times the graphs compiled with a dynamic text length; expected " \
+                                   "--compile MODE too" in out.stderr
+
+
+def test_smoke_dynamic_text_recompiles_before_timing():
+    """``--compile default --dynamic-text``: one call a text token shorter before the timed calls makes dynamo
+    recompile the blocks (their guard on the text length fails), as the RL step's second prompt length does."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout_forward.py"), "--smoke", "--repeats", "1",
+                          "--no-reference", "--no-eager", "--compile", "default", "--dynamic-text"],
+                         cwd=ROOT / "bench", capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TORCH_LOGS": "recompiles"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "recompiled at 7 text tokens" in out.stdout and "8 text tokens (compiled graphs dynamic in it)" in out.stdout
+    assert "Recompiling function run_blocks" in out.stderr and "cond.text_len == 8" in out.stderr, out.stderr[-3000:]
 
 
 def test_smoke_fp8_variants():
