@@ -288,10 +288,11 @@ def main() -> None:
                         "are the ones compiled with the text length dynamic (as in the RL step, whose prompts "
                         "differ in length)")
     p.add_argument("--fp8", nargs="+", choices=("none", "handoff", "plain", "adaln"), default=["none"],
-                   help="ours with the rollout's FP8 GEMMs (rollout.fp8): handoff = as the engine runs them without the adaLN kernel (fc1's "
-                        "output reaches fc2 quantized in one pass, fp8.gelu_quantize_rows), plain = the MLPs "
-                        "unfused (fc2 quantizes its own input), adaln = handoff with the one-pass adaLN -> FP8 "
-                        "input (rollout.fp8_adaln_kernel, the engine's default); none = bf16.  An arm named twice runs twice (A/B)")
+                   help="ours with the rollout's FP8 GEMMs (rollout.fp8): handoff = as the engine runs them without "
+                        "the adaLN kernel (fc1's output reaches fc2 quantized in one pass, fp8.gelu_quantize_rows), "
+                        "plain = the MLPs unfused (fc2 quantizes its own input), adaln = handoff with the one-pass "
+                        "adaLN -> FP8 input (rollout.fp8_adaln_kernel, the engine's default); none = bf16.  An arm "
+                        "named twice runs twice (A/B)")
     p.add_argument("--lora-weights", nargs="+", choices=("separate", "merged"), default=["separate"],
                    help="with --lora: the adapters apart (the trainer's ops) and / or merged into the rollout's "
                         "weights (rollout.lora_weights=merged)")

@@ -19,8 +19,8 @@ input).
 By default the ops run in float32 and round to x's dtype only where stored, as inductor's fusion of them computes
 (``fused_reference``); a launch with eager's roundings rounds each step as eager does (``norm_quantize_reference``:
 20-30 % slower).  The LayerNorm's statistics are float32 either way (two passes over the row in registers; a GPU
-may order its sums differently from torch: a value at a rounding boundary can land one bf16 step apart).  The kernel runs on CUDA and in Triton's CPU interpreter (the tests); elsewhere the same
-torch ops.
+may order its sums differently from torch: a value at a rounding boundary can land one bf16 step apart).  The
+kernel runs on CUDA and in Triton's CPU interpreter (the tests); elsewhere the same torch ops.
 
 A block on this path (``enable_adaln_fp8``; ``rollout.fp8_adaln_kernel``) hands its FP8 GEMMs an ``FP8Input``
 instead of the modulated activation: ``fusion.column_parts`` (the attention's QKV) and ``GeluMLP`` (fc1) take it.

@@ -65,7 +65,7 @@ def test_a_device_too_small_is_refused_before_the_run_is_built(monkeypatch, caps
     does): the table's row says why, and the reference (same shape) is not run."""
     from megatron_omni.trainer import run
 
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import flow_grpo_step
 
     monkeypatch.setattr(run, "device_memory", lambda state: 1 << 20)  # a 1 MiB accelerator
