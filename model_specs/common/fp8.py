@@ -170,10 +170,12 @@ _LAUNCH: tuple[int, int] | None = None
 _EMULATE: bool | None = None
 # the GELU's tanh by the GPU's tanh.approx.f32 for 16-bit activations (CUDA only: Triton's CPU interpreter runs no
 # PTX; float32 ones keep the exact tanh, their rounding being finer than the instruction's error).  On an H200 the
-# merged case's kernel 0.281 -> 0.214 ms with 0.14 % of the codes one e4m3 step from torch's GELU, but the FP8 step
-# A/B on one machine gave no gain (sampling 5.893 -> 5.884 s, DiT side 1.880 -> 1.886 image/s: bench/RESULTS.md,
-# 2026-12-03), so the exact tanh stays the default; bench/gelu_quantize.py and tests/rollout/test_fp8.py run both
-TANH_APPROX = False
+# merged case's kernel 0.281 -> 0.214 ms with 0.14 % of the codes one e4m3 step from torch's GELU.  With the adaLN
+# kernel (rollout.fp8_adaln_kernel) on, the FP8 step's sampling phase 5.596 / 5.606 -> 5.540 / 5.540 s (-1.1 %, two
+# A/B pairs on one machine; log-prob Pearson 1: bench/RESULTS.md, 2026-12-06), so it is the default since then (with
+# the inductor handoff it measured neutral, 2026-12-03); False = the exact tanh.  bench/gelu_quantize.py and
+# tests/rollout/test_fp8.py run both
+TANH_APPROX = True
 CHUNKED_MIN_ROWS = 4096  # separate adapters' rows from which the chunked launch runs (a GPU's worth of programs)
 
 

@@ -194,7 +194,7 @@ def test_row_kernel_rounds_as_torch_on_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("launch", [None, (16384, 16), (2048, 4)])  # the product's launch_of, whole rows, chunks
-@pytest.mark.parametrize("tanh_approx", [False, True])  # the exact tanh (the default), tanh.approx.f32 (bf16)
+@pytest.mark.parametrize("tanh_approx", [False, True])  # the exact tanh, tanh.approx.f32 (bf16 rows; the default)
 def test_gelu_quantize_kernel_equals_torch_ops_on_gpu(dtype, launch, tanh_approx, monkeypatch):
     monkeypatch.setattr(fp8, "_LAUNCH", launch)
     monkeypatch.setattr(fp8, "TANH_APPROX", tanh_approx)
