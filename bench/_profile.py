@@ -73,11 +73,13 @@ def kind(name: str) -> str:
     return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")
 
 
-def profile_kernels(fn, title: str, top: int = 12, host: bool = False, shapes: bool = False) -> dict[str, float]:
+def profile_kernels(fn, title: str, top: int = 12, host: bool = False, shapes: bool = False,
+                    trace: str | None = None) -> dict[str, float]:
     """Run ``fn`` once under torch.profiler (CUDA synchronised around it); print milliseconds per kernel
     kind and the ``top`` heaviest kernels (with ``host``, also the host-side ops that took the most CPU
     time: where a step that leaves the GPU idle spends it; with ``shapes``, the matmul ops by device time with
-    their input shapes: which product a slow GEMM kernel is); return {kind: ms} plus 'wall' and 'kernels'."""
+    their input shapes: which product a slow GEMM kernel is); ``trace``: also write the Chrome trace there (a
+    ``.json.gz`` path is gzipped); return {kind: ms} plus 'wall' and 'kernels'."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -87,6 +89,9 @@ def profile_kernels(fn, title: str, top: int = 12, host: bool = False, shapes: b
         fn()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
+    if trace:
+        prof.export_chrome_trace(trace)
+        print(f"  Chrome trace: {trace}")
     per_kernel: dict[str, tuple[float, int]] = {}
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA or evt.device_time_total <= 0:

@@ -4,7 +4,7 @@ at one GPU's share of its shape, timed as the product runs it, beside the diffus
     python bench/flow_grpo_step.py [--model DIR | --layers 60 --text-layers 28 --build-dir DIR] [--steps 5] [--warmup N]
                                    [--group 16] [--prompts 1] [--micro-batch 4] [--compile default]
                                    [--compile-train default] [--reward NAME] [--no-reuse-uncond]
-                                   [--skip-reference] [--profile [step | sampling train]]
+                                   [--skip-reference] [--profile [step | sampling train] [--trace DIR]]
     python bench/flow_grpo_step.py --smoke      # tiny folder on the CPU: checks the script runs; times mean nothing
     torchrun --nproc-per-node 2 bench/flow_grpo_step.py --smoke --pp 2   # the loop at a layout (gloo on the CPU)
 
@@ -172,7 +172,8 @@ def _text_lengths(run, step: int) -> tuple[float, int]:
     return statistics.mean(tokens(r.prompt) for r in requests), tokens(requests[0].negative_prompt)
 
 
-def run_ours(cfg, steps: int, warmup: int, profile: tuple[str, ...]) -> tuple[LoopResult, dict]:
+def run_ours(cfg, steps: int, warmup: int, profile: tuple[str, ...],
+             trace_dir: str | None = None) -> tuple[LoopResult, dict]:
     """The product's loop: build_run, then rl_step; (result, the shape it ran for the reference)."""
     from megatron_omni.data.tasks import task_for
     from megatron_omni.parallel.state import destroy_parallel, init_parallel
@@ -225,7 +226,7 @@ def run_ours(cfg, steps: int, warmup: int, profile: tuple[str, ...]) -> tuple[Lo
                             f"{len(task.eval_prompts)} held out), the last step's {prompt_tokens:.0f} prompt tokens "
                             f"on average, {negative_tokens} for the negative prompt; image grid {task.img_fhw}")
         if profile and device.type == "cuda":
-            _profile(run, rl_step, first + warmup + steps, profile)
+            _profile(run, rl_step, first + warmup + steps, profile, trace_dir)
     except torch.OutOfMemoryError as e:
         result.error = f"out of memory ({str(e).splitlines()[0]}); --layers N / --text-layers N shrink the model"
     finally:
@@ -254,23 +255,29 @@ PROFILED_PHASES = {"sampling": ("engine", "generate", "sampling phase (the engin
                    "train": ("algorithm", "train", "training phase")}
 
 
-def _profile(run, rl_step, step: int, what: tuple[str, ...]) -> None:
+def _profile(run, rl_step, step: int, what: tuple[str, ...], trace_dir: str | None = None) -> None:
     """'step': one more step with the host's waits for the device listed, then one more under the profiler;
     'sampling' / 'train' (either or both): one more step with only that phase under the profiler -- the engine's
-    generate, the algorithm's ``train`` -- each on its own (kernels, host ops, idle gaps, the caching allocator)."""
+    generate, the algorithm's ``train`` -- each on its own (kernels, host ops, idle gaps, the caching allocator).
+    ``trace_dir``: each profiled step's / phase's Chrome trace is written there too (``<what>.json.gz``)."""
+    def trace(name: str) -> str | None:
+        return str(Path(trace_dir) / f"{name}.json.gz") if trace_dir else None
+
     from _profile import profile_kernels, sync_points
 
     if "step" in what:
         print("--- ours, one more RL step: where the host waits for the device ---")
         sync_points(lambda: rl_step(run, step))
-        profile_kernels(lambda: rl_step(run, step + 1), "ours, one more RL step", top=14, host=True)
+        profile_kernels(lambda: rl_step(run, step + 1), "ours, one more RL step", top=14, host=True,
+                        trace=trace("step"))
         return
     patched = []
     for phase in what:
         owner_name, attr, title = PROFILED_PHASES[phase]
         owner = getattr(run, owner_name)
         patched.append((owner, attr))
-        object.__setattr__(owner, attr, _profiled(getattr(owner, attr), f"ours, one more RL step's {title}"))
+        object.__setattr__(owner, attr, _profiled(getattr(owner, attr), f"ours, one more RL step's {title}",
+                                                          trace(phase)))
     try:
         rl_step(run, step)
     finally:
@@ -278,14 +285,15 @@ def _profile(run, rl_step, step: int, what: tuple[str, ...]) -> None:
             object.__delattr__(owner, attr)
 
 
-def _profiled(method, title: str):
+def _profiled(method, title: str, trace: str | None = None):
     """``method`` run once under the profiler (kernels, host ops, idle) with the caching allocator's device calls
-    during it."""
+    during it; ``trace``: its Chrome trace's path."""
     from _profile import profile_kernels
 
     def profiled(*args, **kwargs):
         result, before = {}, torch.cuda.memory_stats()
-        profile_kernels(lambda: result.setdefault("out", method(*args, **kwargs)), title, top=24, host=True)
+        profile_kernels(lambda: result.setdefault("out", method(*args, **kwargs)), title, top=24, host=True,
+                        trace=trace)
         after = torch.cuda.memory_stats()
         # the caching allocator's device calls: a retry frees the cache (a device-wide synchronisation)
         print("  caching allocator during the phase: " + ", ".join(
@@ -442,6 +450,8 @@ def main(argv=None) -> None:
                    help="after ours' timed steps: 'step' (alone: the default) lists where a whole RL step's host "
                         "waits and its kernels; 'sampling' and / or 'train' profile one more step's engine sampling "
                         "/ training phase alone (kernels, host ops, idle gaps)")
+    p.add_argument("--trace", metavar="DIR", help="with --profile: also write each profiled step's / phase's Chrome "
+                                                  "trace to DIR (<step|sampling|train>.json.gz)")
     p.add_argument("--smoke", action="store_true", help="tiny folder on the CPU: checks the script")
     for flag, what in (("--tp", "tensor"), ("--cp", "context (Ulysses x ring)"), ("--ulysses", "Ulysses (inside cp)"),
                        ("--pp", "pipeline")):
@@ -451,6 +461,10 @@ def main(argv=None) -> None:
     args.group = args.group or (SMOKE_GROUP if args.smoke else 16)
     if args.warmup is None:
         args.warmup = 2 if args.compile or args.compile_train else 1
+    if args.trace and args.profile is None:
+        p.error(f"--trace {args.trace}: writes the profiled phases' traces; expected --profile with it")
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     if args.warmup < 0:
         p.error(f"--warmup {args.warmup}: expected an integer >= 0")
     if min(args.steps, args.group, args.prompts, args.micro_batch, args.layers, args.text_layers) < 1:
@@ -469,7 +483,7 @@ def main(argv=None) -> None:
         reward, reward_note = reward_name(args)
         cfg = run_config(args, folder, scratch / "run", reward, args.warmup + steps + 3)
         notes = [f"model.path: {about}"] + ([reward_note] if reward_note else [])
-        ours, shape = run_ours(cfg, steps, args.warmup, profile_phases(p, args.profile))
+        ours, shape = run_ours(cfg, steps, args.warmup, profile_phases(p, args.profile), args.trace)
         results = [ours]
         if world > 1:
             notes.append(f"{world} ranks (torchrun): tp {args.tp} x cp {args.cp} x pp {args.pp} x dp "
