@@ -21,9 +21,13 @@ Counted per device (bytes), for the trainer's TP x CP x PP x DP layout:
 * merged LoRA weights: with ``rollout.lora_weights=merged`` (without FP8) a model-dtype copy of the engine's adapted
   linears' weights, held in the rollout only (freed while the trainer runs), so only what exceeds the training
   activations left over by the offloaded encoders counts; ``auto`` merges when the estimate with them fits the device;
+* FP8 weights (``rollout.fp8``): the engine's e4m3 copy of every FP8-capable linear's weight, one byte a value
+  (``model_specs.common.rollout_linear``); those holding a merged adapter (LoRA in process, ``lora_weights`` not
+  ``separate``) are freed while the trainer runs and count like the merged weights, the others throughout;
 * the text encoder + VAE of a pipeline task (their files' size, when ``model.path`` is a local folder); with
   ``data.offload_encoders`` they are on the device in the rollout only, where the training activations are not, so
-  only what exceeds the activations counts.
+  only what exceeds the activations counts; with ``model.path`` not a local folder they are not counted, and the
+  table says so.
 Not counted: allocator fragmentation and CUDA/NCCL workspaces (the ``headroom`` fraction is kept free for
 them).  An estimate for planning a layout, not a measurement: ``bench/RESULTS.md`` holds measured peaks.  Against
 one: the OCR recipe's step on one H200 at 1 prompt x group 16 peaked at 98.8 GiB allocated (bench/RESULTS.md,
@@ -35,6 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -48,31 +53,46 @@ class MemoryEstimate:
     layout: str
     engine_tp: int = 1  # the in-process engine's TP degree counted (rollout.engine_parallel resolved)
     lora_merged: bool = False  # the engine's adapters counted merged (rollout.lora_weights resolved)
+    uncounted: tuple[str, ...] = ()  # what this estimate could not count, said under its table
 
     @property
     def total(self) -> float:
         return sum(self.parts.values())
 
     def table(self, device_bytes: float | None = None) -> str:
+        w = max(26, *map(len, self.parts))
         lines = [f"memory per device, {self.layout} (estimate: megatron_omni.trainer.memory)"]
-        lines += [f"  {name:<26} {value / GIB:9.2f} GiB" for name, value in self.parts.items()]
-        lines.append(f"  {'total':<26} {self.total / GIB:9.2f} GiB")
+        lines += [f"  {name:<{w}} {value / GIB:9.2f} GiB" for name, value in self.parts.items()]
+        lines.append(f"  {'total':<{w}} {self.total / GIB:9.2f} GiB")
         if device_bytes:
             usable = device_bytes * (1 - HEADROOM)
-            lines.append(f"  {'device (less headroom)':<26} {usable / GIB:9.2f} GiB of {device_bytes / GIB:.1f}: "
+            lines.append(f"  {'device (less headroom)':<{w}} {usable / GIB:9.2f} GiB of {device_bytes / GIB:.1f}: "
                          + ("fits" if self.total <= usable else "does NOT fit"))
+        lines += [f"  not counted: {what}" for what in self.uncounted]
         return "\n".join(lines)
+
+
+class ParamCounts(NamedTuple):
+    """The denoiser's parameters at TP=1, by what the estimate does with them."""
+
+    split: int  # the blocks' TP-split linears'
+    block_rest: int  # the blocks' others
+    outside: int  # outside the blocks
+    adapters: int  # LoRA's A and B
+    adapted: int  # the adapted linears' base weights
+    fp8_split: int  # FP8-capable linears' weights: TP-split ones
+    fp8_whole: int  # ... and the others
+    fp8_adapted: int  # ... of them, the adapted ones' (all TP-split)
 
 
 # (family, arch, dtype, backend, LoRA rank, alpha, targets) -> _counts: a run's start-up estimates (the engine's
 # layout, the adapters' merge) count one model once
-_COUNTS: dict[tuple, tuple[int, int, int, int, int]] = {}
+_COUNTS: dict[tuple, ParamCounts] = {}
 
 
-def _counts(cfg, state=None) -> tuple[int, int, int, int, int]:
-    """(parameters of the blocks' TP-split linears, of the blocks otherwise, outside the blocks, LoRA adapters, the
-    adapted linears' base weights) of the denoiser at TP=1, counted on the meta device (under a single-process
-    group when none is up) once per model and LoRA."""
+def _counts(cfg, state=None) -> ParamCounts:
+    """The denoiser's parameter counts at TP=1, counted on the meta device (under a single-process group when none
+    is up) once per model and LoRA."""
     key = (cfg.model.family, repr(cfg.model.arch), str(cfg.model.torch_dtype), cfg.model.backend, cfg.lora.rank,
            cfg.lora.alpha, repr(cfg.lora_targets))  # (an arch is an unhashable dataclass: its repr)
     if key not in _COUNTS:
@@ -80,12 +100,13 @@ def _counts(cfg, state=None) -> tuple[int, int, int, int, int]:
     return _COUNTS[key]
 
 
-def _count_parameters(cfg, state) -> tuple[int, int, int, int, int]:
+def _count_parameters(cfg, state) -> ParamCounts:
     import torch.distributed as dist
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from megatron_omni.parallel.state import destroy_parallel, init_parallel, single_rank_group
     from model_specs.common.lora import apply_lora
+    from model_specs.common.rollout_linear import RolloutLinear
 
     family, arch = cfg.model.family_impl, cfg.model.arch
     owned = state is None and not dist.is_initialized()
@@ -109,8 +130,9 @@ def _count_parameters(cfg, state) -> tuple[int, int, int, int, int]:
         count = lambda names: sum(named[n].numel() for n in names)  # noqa: E731
         base = set(named) - adapters
         adapted = {n.removesuffix("lora_A") + "base.weight" for n in adapters if n.endswith(".lora_A")}
-        return (count(base & split), count((base & blocks) - split), count(base - blocks), count(adapters),
-                count(adapted))
+        fp8 = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, RolloutLinear) and m.fp8_capable()}
+        return ParamCounts(count(base & split), count((base & blocks) - split), count(base - blocks), count(adapters),
+                           count(adapted), count(fp8 & split), count(fp8 - split), count(fp8 & adapted))
     finally:
         if owned:
             destroy_parallel()
@@ -149,7 +171,8 @@ def _estimate(cfg, world_size: int, image_tokens: int | None, text_tokens: int, 
 
     p, family, arch = cfg.parallel, cfg.model.family_impl, cfg.model.arch
     dp = p.data_parallel_size(world_size)
-    split, block_rest, outside, adapters, adapted = _counts(cfg, state)
+    counts = _counts(cfg, state)
+    split, block_rest, outside, adapters, adapted = counts[:5]
     model_params = split + block_rest + outside
     per_device = split / (p.tp * p.pp) + block_rest / p.pp + outside
     dtype_bytes = torch.empty((), dtype=cfg.model.torch_dtype).element_size()
@@ -180,7 +203,17 @@ def _estimate(cfg, world_size: int, image_tokens: int | None, text_tokens: int, 
     parts["trajectories" + (" (in host memory)" if on_host else "")] = \
         0 if on_host else samples * image_tokens * family.latent_channels(arch) * 4 * latents
     room = parts["activations (1 micro-batch)"]  # what the rollout-only parts may take: training's activations
-    if cfg.data.task == "pipeline" and cfg.model.path and Path(cfg.model.path).is_dir():
+    fp8_rollout_only = 0.0
+    if cfg.sync.engine_placement == "in_process" and cfg.rollout.fp8:
+        lora_in_process = cfg.sync.resolved_mode(cfg.lora.rank) == "lora"
+        fp8_rollout_only = counts.fp8_adapted / engine_tp if lora_in_process and \
+            cfg.rollout.lora_weights != "separate" else 0.0  # the merged copies: freed while training
+        parts["FP8 weights"] = (counts.fp8_split / engine_tp + counts.fp8_whole) - fp8_rollout_only
+    uncounted = []
+    if cfg.data.task == "pipeline" and not (cfg.model.path and Path(cfg.model.path).is_dir()):
+        uncounted.append(f"the text encoder + VAE (model.path={cfg.model.path!r} is not a local pipeline folder: their "
+                         f"files' size is what counts)")
+    elif cfg.data.task == "pipeline":
         files = sum(f.stat().st_size for sub in ("text_encoder", "vae")
                     for f in (Path(cfg.model.path) / sub).rglob("*.safetensors"))
         if cfg.data.offload_encoders:  # the rollout holds them, training the activations: the larger counts
@@ -190,6 +223,8 @@ def _estimate(cfg, world_size: int, image_tokens: int | None, text_tokens: int, 
             parts["text encoder + VAE"] = files
     if merged:  # (held in the rollout only)
         parts["merged LoRA weights (beyond the activations)"] = max(0.0, adapted / engine_tp * dtype_bytes - room)
+    if fp8_rollout_only:
+        parts["merged FP8 weights (beyond the activations)"] = max(0.0, fp8_rollout_only - room)
     what = (f"TP{p.tp} x CP{p.cp}" + (f" (Ulysses {p.ulysses})" if p.cp > 1 else "") + f" x PP{p.pp} x DP{dp} on "
             f"{world_size} ranks, {family.name} {model_params / 1e9:.2f} B params"
             + (f" + LoRA r{cfg.lora.rank} {adapters / 1e6:.0f} M" if adapters else "") + f", {cfg.model.dtype}, "
@@ -197,7 +232,7 @@ def _estimate(cfg, world_size: int, image_tokens: int | None, text_tokens: int, 
             + (f", recompute {cfg.train.recompute}" if cfg.train.recompute != "none" else "")
             + (f", engine TP{engine_tp}-sharded" if engine_tp > 1 else "")
             + (", LoRA merged in the rollout" if merged else ""))
-    return MemoryEstimate(parts, what, engine_tp, merged)
+    return MemoryEstimate(parts, what, engine_tp, merged, tuple(uncounted))
 
 
 def _activations(train, blocks: float, sbh: float, tp: int) -> float:

@@ -39,6 +39,27 @@ def test_parts_follow_the_layout():
     check_fits(lora, 141 * GIB)
 
 
+def test_fp8_weights_count_one_byte_a_value():
+    """rollout.fp8: the engine's e4m3 copies, one byte per weight value of every FP8-capable linear; the merged
+    adapters' copies are freed while the trainer runs, so only what exceeds the activations counts for them."""
+    over = ["parallel.tp=1", "parallel.cp=1", "parallel.ulysses=1", "lora.rank=64", "lora.alpha=128", "rollout.fp8=true"]
+    merged = estimate(load_config("qwen_image_full", None, over), 1)
+    separate = estimate(load_config("qwen_image_full", None, over + ["rollout.lora_weights=separate"]), 1)
+    # the adapted linears (Qwen-Image's FlowGRPO targets): per block and stream q, k, v, out (3072 x 3072) and the
+    # MLP's two 3072 x 12288, at 60 blocks x 2 streams
+    adapted = 60 * 2 * (4 * 3072 * 3072 + 2 * 3072 * 12288)
+    assert separate.parts["FP8 weights"] - merged.parts["FP8 weights"] == adapted
+    assert merged.parts["merged FP8 weights (beyond the activations)"] == \
+        adapted - merged.parts["activations (1 micro-batch)"]
+    assert "FP8 weights" not in estimate(load_config("qwen_image_full", None, over[:-1]), 1).parts
+
+
+def test_pipeline_encoders_without_a_folder_are_said_uncounted():
+    est = estimate(load_config("qwen_image_flow_grpo", None, []), 1)
+    assert "text encoder + VAE" not in est.parts
+    assert "not counted: the text encoder + VAE (model.path=None is not a local pipeline folder" in est.table()
+
+
 def test_cli_prints_or_refuses(capsys):
     argv = ["train", "--recipe", "qwen_image_full", "--estimate-memory", "--world-size", "8"]
     assert cli.main(argv + ["--device-memory", "80"]) == 2
