@@ -260,10 +260,10 @@ def _profile(run, rl_step, step: int, what: tuple[str, ...], trace_dir: str | No
     'sampling' / 'train' (either or both): one more step with only that phase under the profiler -- the engine's
     generate, the algorithm's ``train`` -- each on its own (kernels, host ops, idle gaps, the caching allocator).
     ``trace_dir``: each profiled step's / phase's Chrome trace is written there too (``<what>.json.gz``)."""
+    from _profile import profile_kernels, sync_points
+
     def trace(name: str) -> str | None:
         return str(Path(trace_dir) / f"{name}.json.gz") if trace_dir else None
-
-    from _profile import profile_kernels, sync_points
 
     if "step" in what:
         print("--- ours, one more RL step: where the host waits for the device ---")
