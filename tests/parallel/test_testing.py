@@ -16,6 +16,8 @@ def _describe_rank(a, b=0):
         "omp": os.environ["OMP_NUM_THREADS"],
         "threads": torch.get_num_threads(),
         "cuda_visible": os.environ["CUDA_VISIBLE_DEVICES"],
+        "mark": os.environ.get("MEGATRON_OMNI_TEST_MARK"),
+        "cwd": os.getcwd(),
     }
 
 
@@ -35,12 +37,17 @@ def _die_on_rank_1():
     return "rank 0 done"
 
 
-def test_results_come_back_in_rank_order_with_args_and_child_settings():
+def test_results_come_back_in_rank_order_with_args_and_child_settings(monkeypatch, tmp_path):
     results = run_distributed(_describe_rank, 3, args=(7,), kwargs={"b": 8}, timeout_s=120)
     assert [r["rank"] for r in results] == [0, 1, 2]
     for r in results:
         assert r["world_size"] == 3 and r["args"] == (7, 8)
-        assert (r["omp"], r["threads"], r["cuda_visible"]) == ("1", 1, "")
+        assert (r["omp"], r["threads"], r["cuda_visible"], r["mark"]) == ("1", 1, "", None)
+    # the ranks fork from a server started at the first launch: they still take this launch's environment and cwd
+    monkeypatch.setenv("MEGATRON_OMNI_TEST_MARK", "second launch")
+    monkeypatch.chdir(tmp_path)
+    again = run_distributed(_describe_rank, 2, args=(1,), timeout_s=120)
+    assert [(r["mark"], r["cwd"]) for r in again] == [("second launch", str(tmp_path))] * 2
 
 
 def test_exception_on_rank_1_is_reraised_with_its_traceback():
