@@ -13,7 +13,9 @@ from tests.launch.runs import REPO, env, latest_checkpoint, metrics, rendezvous,
 from tests.launch.slurm_cluster import SlurmCluster, ensure_installed
 
 pytestmark = pytest.mark.slow
-STEPS = 8  # ~0.5 s each at 2 ranks: the signal, sent once step 0 is logged, lands before the last
+# 0.2-0.5 s each at 2 ranks: the signal, sent once step 0 is logged, must land before the last.  At 8 steps it once
+# came after the run's end (scancel -> slurmctld -> slurmd -> the batch shell took > 3 s on two busy cores).
+STEPS = 24
 
 
 @pytest.fixture(scope="module")
