@@ -2,7 +2,8 @@
 under torch.compile, per micro-batch size.  Prints one table (s / optimizer step, TFLOP/s, MFU, peak memory).
 
     python bench/train_step.py [--modes lora full] [--micro-batches 4 8] [--compile default] [--steps 3]
-                               [--full-layers 12] [--profile] [--grad-accumulation auto batched hooks]
+                               [--full-layers 12] [--layers 60] [--profile]
+                               [--grad-accumulation auto batched batched-per-tensor hooks]
     python bench/train_step.py --smoke      # tiny model on the CPU: checks the script runs; times mean nothing
 
 One optimizer step = the recipe's 32 (sample, step) pairs (group 16 x SDE window 2, 512x512 + 128 text
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 import megatron_omni  # noqa: E402,F401  (quiet upstream notices)
 from _flow_grpo_parts import Recipe, free_device_memory, make_recipe, peak_gib, synchronize  # noqa: E402
 from megatron_omni.algorithms.flow_grpo import FlowGRPOLossConfig, FlowGRPOMicroBatch, flow_grpo_forward_step  # noqa: E402
+from megatron_omni.trainer import grad_flush  # noqa: E402
 from megatron_omni.trainer.mfu import device_peak_flops, forward_flops, lora_forward_flops  # noqa: E402
 from model_specs.common.lora import FLOW_GRPO_TARGETS  # noqa: E402
 
@@ -113,6 +115,9 @@ def run(recipe: Recipe, mode: str, micro_batch: int, compile_mode: str | None, s
         free_device_memory(recipe.device)
 
 
+FLAT_SPAN = grad_flush.FLAT_SPAN
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", nargs="+", choices=["lora", "full"], default=["lora", "full"])
@@ -123,10 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--full-layers", type=int, default=12, help="blocks of the full fine-tuning model")
     p.add_argument("--profile", action="store_true", help="kernel breakdown of one more step of every run")
-    p.add_argument("--grad-accumulation", nargs="+", choices=("auto", "batched", "hooks"), default=["auto"],
+    p.add_argument("--grad-accumulation", nargs="+", choices=("auto", "batched", "batched-per-tensor", "hooks"),
+                   default=["auto"],
                    help="DDP's main_grad adds: the trainer's choice (auto: batched for LoRA, hooks for full "
-                        "fine-tuning), one multi-tensor add per micro-batch (megatron_omni.trainer.grad_flush) "
-                        "and / or megatron's per-parameter hooks")
+                        "fine-tuning), batched once per micro-batch (megatron_omni.trainer.grad_flush: a span of "
+                        "DDP's buffer per add), the same with one add per tensor (as before 2026-12-07: "
+                        "grad_flush.FLAT_SPAN = 0) and / or megatron's per-parameter hooks")
+    p.add_argument("--layers", type=int, default=None,
+                   help="blocks of the LoRA model (default: Qwen-Image's 60; fewer where 60 do not fit)")
     p.add_argument("--blocks-per-graph", type=int, nargs="+", default=[None], metavar="K",
                    help="under --compile: consecutive blocks per compiled graph, one run per K (default: "
                         "megatron_omni.compile.BLOCKS_PER_GRAPH)")
@@ -142,11 +151,15 @@ def main(argv: list[str] | None = None) -> None:
                 recipe = make_recipe(args.smoke, micro_batch=mb)
                 if mode == "full" and not args.smoke:
                     recipe.arch = type(recipe.arch)(num_layers=args.full_layers)
+                elif args.layers and not args.smoke:
+                    recipe.arch = type(recipe.arch)(num_layers=args.layers)
                 name = (f"{mode} mb{mb} {cm or 'eager'}" + ("" if acc == "auto" else f" {acc}")
                         + ("" if k is None else f" {k}/graph"))
+                grad_flush.FLAT_SPAN = 0 if acc == "batched-per-tensor" else FLAT_SPAN
                 try:
-                    r = run(recipe, mode, mb, cm, args.steps, args.profile,
-                            batched_grads={"auto": None, "batched": True, "hooks": False}[acc], blocks_per_graph=k)
+                    r = run(recipe, mode, mb, cm, args.steps, args.profile, blocks_per_graph=k,
+                            batched_grads={"auto": None, "batched": True, "batched-per-tensor": True,
+                                           "hooks": False}[acc])
                 except torch.OutOfMemoryError as err:
                     print(f"{name}: out of memory ({str(err).splitlines()[0][:120]})", flush=True)
                     rows.append((name, None, recipe))

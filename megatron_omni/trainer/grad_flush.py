@@ -1,4 +1,4 @@
-"""Gradient accumulation into megatron DDP's main_grad with one multi-tensor add per micro-batch, instead of one
+"""Gradient accumulation into megatron DDP's main_grad with a few batched adds per micro-batch, instead of one
 Python hook and one add kernel per parameter per micro-batch.
 
 Why: megatron-core's DDP hooks every trainable parameter's AccumulateGrad node with a Python function that adds
@@ -11,8 +11,8 @@ How: the parameters are marked for megatron's own switch for "another party accu
 (``DistributedDataParallelConfig.delay_wgrad_compute`` with ``param.skip_backward_post_hook``: DDP then hooks the
 parameter only through a module's ``register_wgrad_accumulation_and_reduce_hooks``, which no module of ours has),
 so autograd leaves each backward's gradient in ``param.grad`` (the first AccumulateGrad keeps the tensor: no
-kernel).  ``GradFlush.flush`` then does ``main_grad += grad`` for all of them in one ``torch._foreach_add_`` and
-drops the grads.  It runs before every forward of the model (a forward pre-hook: the previous micro-batch's
+kernel).  ``GradFlush.flush`` then does ``main_grad += grad`` for all of them, a span of adjacent main_grads at a
+time (the span's gradients concatenated, one add; ``GradFlush._spans``), and drops the grads.  It runs before every forward of the model (a forward pre-hook: the previous micro-batch's
 backward is done by then) and before ``finalize_model_grads`` (the last micro-batch).  These are the adds the hook
 made, in the same order: ``main_grad`` is bit-identical (tests/trainer/test_grad_flush.py).
 
@@ -31,6 +31,9 @@ def batchable(pp: int, chunks: int, overlap_grad_reduce: bool) -> bool:
     """Whether a policy of this layout can accumulate through ``GradFlush`` (see the module docstring)."""
     return pp == 1 and chunks == 1 and not overlap_grad_reduce
 
+
+# elements of one concatenated span of gradients in ``GradFlush.flush`` (64 Mi: 128 MiB of bf16 at a time)
+FLAT_SPAN = 1 << 26
 
 # trained share of the parameters up to which batching is worth its memory (LoRA r64 on Qwen-Image: 2 %)
 BATCH_UP_TO = 0.1
@@ -53,7 +56,7 @@ def mark_for_flush(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 class GradFlush:
-    """``main_grad += grad`` for every marked parameter of a DDP-wrapped module, in one multi-tensor add."""
+    """``main_grad += grad`` for every marked parameter of a DDP-wrapped module, a span of DDP's buffer at a time."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         missing = [tuple(p.shape) for p in params if getattr(p, "main_grad", None) is None]
@@ -61,6 +64,7 @@ class GradFlush:
             raise ValueError(f"GradFlush: {len(missing)} parameter(s) without a main_grad (e.g. shape {missing[0]}); "
                              f"build megatron's DistributedDataParallel over them first")
         self.params = params
+        self._span_plan: list | None = None  # built at the first flush (``_spans``)
         self.flushes = 0  # flushes that moved at least one gradient (the tests count them)
 
     @torch.no_grad()
@@ -69,10 +73,51 @@ class GradFlush:
         pending = [p for p in self.params if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr()]
         if not pending:
             return
-        torch._foreach_add_([p.main_grad for p in pending], [p.grad for p in pending])
+        if len(pending) == len(self.params) and len({p.grad.dtype for p in pending}) == 1:
+            for span, params in self._spans():
+                span.add_(torch.cat([p.grad.reshape(-1) for p in params]) if len(params) > 1 else
+                          params[0].grad.reshape(-1))
+        else:
+            torch._foreach_add_([p.main_grad for p in pending], [p.grad for p in pending])
         for p in pending:
             p.grad = None
         self.flushes += 1
+
+    def _spans(self) -> list[tuple[torch.Tensor, list[torch.nn.Parameter]]]:
+        """(a 1-D view of the main_grad buffer, the parameters whose main_grads tile it in order): runs of adjacent
+        main_grads, at most ``FLAT_SPAN`` elements each unless one parameter is larger.
+
+        Why: ``torch._foreach_add_`` has a fused path only for lists of one dtype.  bf16 gradients into fp32
+        main_grads take its per-tensor fallback: one add kernel per adapter tensor per micro-batch, launched from the
+        main thread (3840 per optimizer step in the H100 profile of bench/RESULTS.md, 2026-12-07).  A span's gradients concatenated (a few
+        batched copies) and added into the span (one kernel) make the same element-wise adds, so main_grad is
+        unchanged bit for bit; the concatenation costs at most ``FLAT_SPAN`` elements of the gradients' dtype."""
+        if self._span_plan is None:
+            def where(p):
+                return p.main_grad.untyped_storage().data_ptr(), p.main_grad.storage_offset()
+
+            ordered = sorted(self.params, key=where)
+            plan: list[tuple[torch.Tensor, list]] = []
+            run: list = []
+            for p in ordered:
+                if run:
+                    last = run[-1].main_grad
+                    adjacent = (where(p)[0] == where(run[0])[0] and p.main_grad.dtype == last.dtype
+                                and where(p)[1] == last.storage_offset() + last.numel())
+                    if not adjacent or sum(q.numel() for q in run) + p.numel() > FLAT_SPAN:
+                        plan.append(self._span(run))
+                        run = []
+                run.append(p)
+            plan.append(self._span(run))
+            self._span_plan = plan
+        return self._span_plan
+
+    @staticmethod
+    def _span(run: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list[torch.nn.Parameter]]:
+        first = run[0].main_grad
+        if not all(p.main_grad.is_contiguous() for p in run):
+            raise ValueError("GradFlush: a main_grad that is not contiguous in DDP's buffer")
+        return first.as_strided((sum(p.numel() for p in run),), (1,), first.storage_offset()), run
 
     def install(self, module: torch.nn.Module, config) -> None:
         """Flush before every forward of ``module`` and before ``config.finalize_model_grads_func``."""

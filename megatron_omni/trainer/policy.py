@@ -77,7 +77,7 @@ def build_policy(arch, state: ParallelState, *, lr: float, weight_decay: float =
                  recompute: str = "none", recompute_num_layers: int = 1) -> Policy:
     """``prepare(module)`` runs on every chunk before DDP wraps it: load weights, attach LoRA, freeze
     params.  ``layout``: blocks per pipeline chunk (default: an even split).  ``batched_grads``: accumulate the
-    gradients into DDP's main_grad with one multi-tensor add per micro-batch where the layout allows
+    gradients into DDP's main_grad with a few batched adds per micro-batch where the layout allows
     (``megatron_omni.trainer.grad_flush``; bit-identical to megatron's per-parameter hooks, which run otherwise);
     None: when few parameters train (``grad_flush.worth_batching``: LoRA), since each micro-batch's gradients then
     stay alive until its flush (+2 bytes per trained bf16 parameter at the end of a backward: nothing for LoRA,

@@ -94,6 +94,8 @@ def test_batched_by_default_for_adapters_only(single_rank):
     lora = build_policy(arch, single_rank, lr=1e-2, prepare=_lora)
     full = build_policy(arch, single_rank, lr=1e-2)
     assert lora.grad_flush is not None and len(lora.model.grad_accs) == 0
+    # DDP's buffer holds the adapters' main_grads back to back: one span, one concatenation and one add a flush
+    assert [len(run) for _, run in lora.grad_flush._spans()] == [len(lora.grad_flush.params)]
     assert full.grad_flush is None and len(full.model.grad_accs) == sum(p.requires_grad for p in full.module.parameters())
 
 
@@ -107,3 +109,32 @@ def test_layouts_that_keep_megatrons_hooks():
 def test_flush_needs_ddp_buffers():
     with pytest.raises(ValueError, match="without a main_grad .* build megatron's DistributedDataParallel"):
         GradFlush([torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_flush_adds_span_by_span_as_the_per_tensor_adds(monkeypatch):
+    """main_grads laid out in a buffer in another order than the parameters, with a gap, bf16 gradients (the
+    fused multi-tensor path refuses mixed dtypes): the spans' adds equal per-tensor adds bit for bit; spans split at
+    the gap and at FLAT_SPAN elements."""
+    import megatron_omni.trainer.grad_flush as grad_flush
+
+    monkeypatch.setattr(grad_flush, "FLAT_SPAN", 40)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (10,), (2, 5), (30,), (7,)]
+    buffer = torch.randn(200, generator=g)
+    offsets = [90, 70, 60, 0, 80]  # (7,) at 80 ends at 87, then a gap to 90; (30,) alone at 0
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in shapes]
+    for p, o in zip(params, offsets):
+        p.main_grad = buffer[o:o + p.numel()].view(p.shape)
+    want = buffer.clone()
+    flush = GradFlush(params)
+    for _ in range(2):  # two micro-batches
+        grads = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+        for p, grad, o in zip(params, grads, offsets):
+            p.grad = grad
+            want[o:o + grad.numel()].add_(grad.reshape(-1))
+        flush.flush()
+        assert all(p.grad is None for p in params)
+    assert torch.equal(buffer, want)
+    spans = [[p.main_grad.storage_offset() for p in run] for _, run in flush._spans()]
+    assert spans == [[0], [60, 70, 80], [90]]  # the gap at 87 and the 40-element cap split the runs
+    assert flush.flushes == 2
