@@ -1,4 +1,4 @@
-"""megatron_omni.trainer.grad_flush: main_grad accumulated by one multi-tensor add per micro-batch is bit-identical
+"""megatron_omni.trainer.grad_flush: main_grad accumulated by batched adds once per micro-batch is bit-identical
 to megatron DDP's per-parameter hooks (LoRA and full fine-tuning, one rank, TP=2 and DP=2 over 2 gloo ranks),
 and the policy uses it only where the layout allows."""
 import pytest
