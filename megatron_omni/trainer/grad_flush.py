@@ -12,9 +12,10 @@ How: the parameters are marked for megatron's own switch for "another party accu
 parameter only through a module's ``register_wgrad_accumulation_and_reduce_hooks``, which no module of ours has),
 so autograd leaves each backward's gradient in ``param.grad`` (the first AccumulateGrad keeps the tensor: no
 kernel).  ``GradFlush.flush`` then does ``main_grad += grad`` for all of them, a span of adjacent main_grads at a
-time (the span's gradients concatenated, one add; ``GradFlush._spans``), and drops the grads.  It runs before every forward of the model (a forward pre-hook: the previous micro-batch's
-backward is done by then) and before ``finalize_model_grads`` (the last micro-batch).  These are the adds the hook
-made, in the same order: ``main_grad`` is bit-identical (tests/trainer/test_grad_flush.py).
+time (the span's gradients concatenated, one add; ``GradFlush._spans``), and drops the grads.  It runs before
+every forward of the model (a forward pre-hook: the previous micro-batch's backward is done by then) and before
+``finalize_model_grads`` (the last micro-batch).  These are the adds the hook made, in the same order: ``main_grad``
+is bit-identical (tests/trainer/test_grad_flush.py).
 
 Only where every backward is followed by a forward or the end of the step: no pipelining (pp == 1, one chunk) and
 no overlapped gradient reduction (``overlap_grad_reduce`` needs the per-parameter ready signal).  And by default
@@ -64,7 +65,8 @@ class GradFlush:
             raise ValueError(f"GradFlush: {len(missing)} parameter(s) without a main_grad (e.g. shape {missing[0]}); "
                              f"build megatron's DistributedDataParallel over them first")
         self.params = params
-        self._span_plan: list | None = None  # built at the first flush (``_spans``)
+        self._span_plan: list | None = None  # built at the first flush (``_spans``), for these main_grads:
+        self._span_grads: list[torch.Tensor] = []
         self.flushes = 0  # flushes that moved at least one gradient (the tests count them)
 
     @torch.no_grad()
@@ -88,11 +90,14 @@ class GradFlush:
         main_grads, at most ``FLAT_SPAN`` elements each unless one parameter is larger.
 
         Why: ``torch._foreach_add_`` has a fused path only for lists of one dtype.  bf16 gradients into fp32
-        main_grads take its per-tensor fallback: one add kernel per adapter tensor per micro-batch, launched from the
-        main thread (3840 per optimizer step in the H100 profile of bench/RESULTS.md, 2026-12-07).  A span's gradients concatenated (a few
-        batched copies) and added into the span (one kernel) make the same element-wise adds, so main_grad is
-        unchanged bit for bit; the concatenation costs at most ``FLAT_SPAN`` elements of the gradients' dtype."""
-        if self._span_plan is None:
+        main_grads take its per-tensor fallback: one add kernel per adapter tensor per micro-batch, launched from
+        the main thread (3840 per optimizer step in the H100 profile of bench/RESULTS.md, 2026-12-07).  A span's
+        gradients concatenated (a few batched copies) and added into the span (one kernel) make the same
+        element-wise adds, so main_grad is unchanged bit for bit; the concatenation costs at most ``FLAT_SPAN``
+        elements of the gradients' dtype.  The plan is made again whenever a parameter's main_grad is another
+        tensor than when it was made (a view follows its storage through megatron's offload / reload)."""
+        if self._span_plan is None or any(p.main_grad is not g for p, g in zip(self.params, self._span_grads)):
+            self._span_grads = [p.main_grad for p in self.params]
             def where(p):
                 return p.main_grad.untyped_storage().data_ptr(), p.main_grad.storage_offset()
 

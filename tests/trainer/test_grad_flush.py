@@ -138,3 +138,9 @@ def test_flush_adds_span_by_span_as_the_per_tensor_adds(monkeypatch):
     spans = [[p.main_grad.storage_offset() for p in run] for _, run in flush._spans()]
     assert spans == [[0], [60, 70, 80], [90]]  # the gap at 87 and the 40-element cap split the runs
     assert flush.flushes == 2
+    params[1].main_grad = torch.zeros(10)  # another tensor: the plan follows it
+    for p in params:
+        p.grad = torch.ones(p.shape, dtype=torch.bfloat16)
+    flush.flush()
+    assert torch.equal(params[1].main_grad, torch.ones(10)) and torch.equal(buffer[70:80], want[70:80])
+    assert torch.equal(buffer[60:70], want[60:70] + 1)
