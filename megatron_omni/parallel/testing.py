@@ -13,14 +13,13 @@ launch still costs a fraction of a launch: let ``fn`` loop over many cases and r
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import queue
 import sys
 import time
 import traceback
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
 
@@ -34,22 +33,6 @@ _EXIT_GRACE_S = 10.0  # for a finished rank to tear down its process groups and 
 
 class RemoteTraceback(Exception):
     """Carries a rank's formatted traceback as the ``__cause__`` of the re-raised exception."""
-
-
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Set environment variables while children are started (the fork server, started at the first launch,
-    inherits them), then restore."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
 
 
 def _context() -> Any:
@@ -166,9 +149,8 @@ def run_distributed(
                     daemon=False)  # dist_checkpointing save starts a helper process
         for rank in range(world_size)
     ]
-    with _environ(**child_env):
-        for proc in procs:
-            proc.start()
+    for proc in procs:
+        proc.start()
     grace_s = _EXIT_GRACE_S
     try:
         values = _collect(procs, results, fn_name, timeout_s)

@@ -98,21 +98,19 @@ class GradFlush:
         tensor than when it was made (a view follows its storage through megatron's offload / reload)."""
         if self._span_plan is None or any(p.main_grad is not g for p, g in zip(self.params, self._span_grads)):
             self._span_grads = [p.main_grad for p in self.params]
-            def where(p):
-                return p.main_grad.untyped_storage().data_ptr(), p.main_grad.storage_offset()
-
-            ordered = sorted(self.params, key=where)
             plan: list[tuple[torch.Tensor, list]] = []
             run: list = []
-            for p in ordered:
-                if run:
-                    last = run[-1].main_grad
-                    adjacent = (where(p)[0] == where(run[0])[0] and p.main_grad.dtype == last.dtype
-                                and where(p)[1] == last.storage_offset() + last.numel())
-                    if not adjacent or sum(q.numel() for q in run) + p.numel() > FLAT_SPAN:
-                        plan.append(self._span(run))
-                        run = []
+            end, numel = None, 0  # where the run's last main_grad ends (storage, dtype, offset); the run's elements
+            for p in sorted(self.params, key=lambda p: (p.main_grad.untyped_storage().data_ptr(),
+                                                       p.main_grad.storage_offset())):
+                g = p.main_grad
+                start = (g.untyped_storage().data_ptr(), g.dtype, g.storage_offset())
+                if run and (start != end or numel + g.numel() > FLAT_SPAN):
+                    plan.append(self._span(run))
+                    run, numel = [], 0
                 run.append(p)
+                numel += g.numel()
+                end = (*start[:2], start[2] + g.numel())
             plan.append(self._span(run))
             self._span_plan = plan
         return self._span_plan

@@ -205,9 +205,8 @@ def _estimate(cfg, world_size: int, image_tokens: int | None, text_tokens: int, 
     room = parts["activations (1 micro-batch)"]  # what the rollout-only parts may take: training's activations
     fp8_rollout_only = 0.0
     if cfg.sync.engine_placement == "in_process" and cfg.rollout.fp8:
-        lora_in_process = cfg.sync.resolved_mode(cfg.lora.rank) == "lora"
-        fp8_rollout_only = counts.fp8_adapted / engine_tp if lora_in_process and \
-            cfg.rollout.lora_weights != "separate" else 0.0  # the merged copies: freed while training
+        merged_fp8 = cfg.sync.resolved_mode(cfg.lora.rank) == "lora" and cfg.rollout.lora_weights != "separate"
+        fp8_rollout_only = counts.fp8_adapted / engine_tp if merged_fp8 else 0.0  # merged copies: freed in training
         parts["FP8 weights"] = (counts.fp8_split / engine_tp + counts.fp8_whole) - fp8_rollout_only
     uncounted = []
     if cfg.data.task == "pipeline" and not (cfg.model.path and Path(cfg.model.path).is_dir()):
