@@ -106,21 +106,22 @@ class GradFlush:
                 g = p.main_grad
                 start = (g.untyped_storage().data_ptr(), g.dtype, g.storage_offset())
                 if run and (start != end or numel + g.numel() > FLAT_SPAN):
-                    plan.append(self._span(run))
+                    plan.append(self._span(run, numel))
                     run, numel = [], 0
                 run.append(p)
                 numel += g.numel()
                 end = (*start[:2], start[2] + g.numel())
-            plan.append(self._span(run))
+            plan.append(self._span(run, numel))
             self._span_plan = plan
         return self._span_plan
 
     @staticmethod
-    def _span(run: list[torch.nn.Parameter]) -> tuple[torch.Tensor, list[torch.nn.Parameter]]:
+    def _span(run: list[torch.nn.Parameter], numel: int) -> tuple[torch.Tensor, list[torch.nn.Parameter]]:
+        """The 1-D view of the ``numel`` elements of DDP's buffer that ``run``'s adjacent main_grads tile."""
         first = run[0].main_grad
         if not all(p.main_grad.is_contiguous() for p in run):
             raise ValueError("GradFlush: a main_grad that is not contiguous in DDP's buffer")
-        return first.as_strided((sum(p.numel() for p in run),), (1,), first.storage_offset()), run
+        return first.as_strided((numel,), (1,), first.storage_offset()), run
 
     def install(self, module: torch.nn.Module, config) -> None:
         """Flush before every forward of ``module`` and before ``config.finalize_model_grads_func``."""
