@@ -419,6 +419,23 @@ def print_table(cfg, results: list[LoopResult], steps: int, notes: list[str], sm
     Console(width=200).print(table)
 
 
+def set_inductor(item: str) -> str | None:
+    """Set one ``torch._inductor.config`` option from ``KEY=VALUE`` (VALUE a Python literal); the error, or None."""
+    import ast
+
+    import torch._inductor.config as inductor
+
+    key, sep, text = item.partition("=")
+    if not sep or not hasattr(inductor, key):
+        return "expected KEY=VALUE with KEY an option of torch._inductor.config"
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return f"VALUE {text!r} is not a Python literal (True, 4, 'name')"
+    setattr(inductor, key, value)
+    return None
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", metavar="DIR", help="a QwenImagePipeline folder (default: write a random one)")
@@ -445,6 +462,9 @@ def main(argv=None) -> None:
                    help="rollout.fp8: the rollout engine's GEMMs in FP8 (training bf16, the trainer's own pi_old)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more override of the run config (repeatable), e.g. --set rollout.fuse=false")
+    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="set torch._inductor.config.KEY to the Python literal VALUE before anything compiles "
+                        "(repeatable; an A/B of inductor's options), e.g. --inductor combo_kernels=True")
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
     p.add_argument("--profile", nargs="*", choices=("step", "sampling", "train"), metavar="PHASE",
                    help="after ours' timed steps: 'step' (alone: the default) lists where a whole RL step's host "
@@ -472,6 +492,9 @@ def main(argv=None) -> None:
                 f"{args.micro_batch}, --layers {args.layers}, --text-layers {args.text_layers}: expected integers >= 1")
     if not args.smoke and not torch.cuda.is_available():
         p.error("no CUDA device; the full-size run needs one (use --smoke on a CPU)")
+    for item in args.inductor:
+        if (err := set_inductor(item)) is not None:
+            p.error(f"--inductor {item}: {err}")
     steps = min(args.steps, 2) if args.smoke else args.steps
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world > 1 and not (args.model or args.smoke):

@@ -75,3 +75,18 @@ def test_a_device_too_small_is_refused_before_the_run_is_built(monkeypatch, caps
     rows = re.findall(r"^│ ([^│]*?)\s*│ ([^│]*?)\s*│", out, re.M)
     assert rows and {loop for loop, _ in rows} == {"ours: megatron-omni train's rl_step (eager)", ""}, rows
     assert not any(phase.startswith("rollout_sampling") for _, phase in rows), rows
+
+
+def test_inductor_options_are_set_or_refused_by_name(monkeypatch):
+    """--inductor KEY=VALUE sets torch._inductor.config.KEY to the literal; an unknown key or a value that is not a
+    Python literal is one error naming it."""
+    import torch._inductor.config as inductor
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import flow_grpo_step
+
+    monkeypatch.setattr(inductor, "combo_kernels", False)
+    assert flow_grpo_step.set_inductor("combo_kernels=True") is None and inductor.combo_kernels is True
+    assert "KEY an option of torch._inductor.config" in flow_grpo_step.set_inductor("no_such_option=1")
+    assert "'tru' is not a Python literal" in flow_grpo_step.set_inductor("combo_kernels=tru")
+    assert inductor.combo_kernels is True  # a refused value leaves the option as it was
