@@ -238,6 +238,90 @@ def quantize_weight_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, s
 
 
+if triton is not None:
+    @triton.jit
+    def _merge_quantize_kernel(w, u, a, part, q_out, s_out, N, K: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
+                               CHUNK: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, CHUNKS: tl.constexpr,
+                               CHUNKS_P2: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
+                               EMULATE: tl.constexpr):
+        """A merged weight's rows ROWS at a time over CHUNK of their K columns: g = W + U·A in W's dtype (the dot in
+        float32, added to W and rounded once, as ``torch.addmm`` rounds it), never written.  The first launch
+        (``FINAL`` false) writes each (row, chunk)'s max |g| to ``part``; the second reads a row's CHUNKS maxima for
+        its scale and recomputes g (the same ops on the same tiles: the same values) for its codes."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        chunk = tl.program_id(1)
+        rm = rows < N
+        if FINAL:
+            at = tl.arange(0, CHUNKS_P2)
+            maxima = tl.load(part + rows[:, None] * CHUNKS + at[None, :], mask=rm[:, None] & (at < CHUNKS)[None, :],
+                             other=0.0)
+            scale = tl.maximum(tl.max(maxima, axis=1) / 448.0, 1e-12)
+            inv_scale = 1.0 / scale
+        amax = tl.zeros([ROWS], dtype=tl.float32)
+        for step in range(0, CHUNK, BK):
+            cols = chunk * CHUNK + step + tl.arange(0, BK)
+            cm = cols < K
+            acc = tl.zeros([ROWS, BK], dtype=tl.float32)
+            for r0 in range(0, R, RB):
+                rr = r0 + tl.arange(0, RB)
+                um = tl.load(u + rows[:, None] * R + rr[None, :], mask=rm[:, None] & (rr < R)[None, :], other=0.0)
+                am = tl.load(a + rr[:, None].to(tl.int64) * K + cols[None, :], mask=(rr < R)[:, None] & cm[None, :],
+                             other=0.0)
+                acc = tl.dot(um, am, acc, input_precision=PREC)
+            m = rm[:, None] & cm[None, :]
+            wt = tl.load(w + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+            g = (acc + wt.to(tl.float32)).to(wt.dtype)
+            if FINAL:
+                tl.store(q_out + rows[:, None] * K + cols[None, :], _e4m3_codes(g, inv_scale[:, None], m, EMULATE),
+                         mask=m)
+            else:
+                amax = tl.maximum(amax, tl.max(tl.abs(tl.where(m, g.to(tl.float32), 0.0)), axis=1))
+        if FINAL:
+            if chunk == 0:
+                tl.store(s_out + rows, scale, mask=rm)
+        else:
+            tl.store(part + rows * CHUNKS + chunk, amax, mask=rm)
+
+
+# (ROWS, CHUNK, BK, warps) of the merge kernel instead of MERGE_LAUNCH (tests, bench/merge_quantize.py)
+_MERGE_LAUNCH: tuple[int, int, int, int] | None = None
+MERGE_LAUNCH = (64, 1024, 128, 4)
+
+
+def merge_quantize_rows(w_NK: torch.Tensor, u_NR: torch.Tensor,
+                        a_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` of a LoRA-merged weight W + U·A (W [N, K], the scaled up-projection U [N, R] and the
+    stacked down-projections A [R, K], all in W's dtype), which ``torch.addmm(W, U, A)`` gives in W's dtype: on
+    CUDA (or Triton's CPU interpreter) without writing the merged weight, two Triton launches that each read W
+    once (the first for the row maxima, the second for the codes); elsewhere the addmm, then ``quantize_rows``.
+    The product's float32 sum runs in another order than cuBLAS's, so a merged value can round one step of W's
+    dtype apart from the addmm's, and its code one e4m3 step (tests/rollout/test_fp8.py)."""
+    n, k = w_NK.shape
+    r = u_NR.shape[1]
+    if u_NR.shape[0] != n or a_RK.shape != (r, k) or u_NR.dtype != w_NK.dtype or a_RK.dtype != w_NK.dtype:
+        raise ValueError(f"merge_quantize_rows: W {tuple(w_NK.shape)} {w_NK.dtype}, U {tuple(u_NR.shape)} "
+                         f"{u_NR.dtype}, A {tuple(a_RK.shape)} {a_RK.dtype}; expected W [N, K], U [N, R], A [R, K] "
+                         f"in one dtype")
+    if not _runs_gelu_kernel(w_NK):
+        return quantize_rows(torch.addmm(w_NK, u_NR, a_RK))
+    rows, chunk, bk, warps = _MERGE_LAUNCH or MERGE_LAUNCH
+    chunk = min(chunk, max(16, triton.next_power_of_2(k)))
+    bk = min(bk, chunk)  # (a dot's sides are 16 or more)
+    chunks = triton.cdiv(k, chunk)
+    w_NK, u_NR, a_RK = w_NK.contiguous(), u_NR.contiguous(), a_RK.contiguous()
+    q = torch.empty(n, k, device=w_NK.device, dtype=E4M3)
+    s = torch.empty(n, 1, device=w_NK.device, dtype=torch.float32)
+    part = torch.empty(n, chunks, device=w_NK.device, dtype=torch.float32)
+    rb = max(16, min(64, triton.next_power_of_2(r)))
+    for final in (False, True):
+        _merge_quantize_kernel[(triton.cdiv(n, rows), chunks)](
+            w_NK, u_NR, a_RK, part, q, s, n, K=k, R=r, ROWS=rows, CHUNK=chunk, BK=bk, RB=rb, CHUNKS=chunks,
+            CHUNKS_P2=triton.next_power_of_2(chunks), FINAL=final,
+            PREC="ieee" if w_NK.dtype == torch.float32 else "tf32",
+            EMULATE=not w_NK.is_cuda if _EMULATE is None else _EMULATE, num_warps=warps)
+    return q, s
+
+
 @gelu_quantize_rows.register_fake
 def _(y_MN, bias_N, lora_MN, keep_activation):
     m, n = y_MN.shape

@@ -219,9 +219,14 @@ class LoRALinear(torch.nn.Module):
         """W + (alpha / r) * B A of this rank's base in its dtype (the rollout's merged weight): one addmm of the
         up-projection the forward reads and the stacked A (every part's delta at once), accumulated in float32
         with W and rounded once."""
+        return torch.addmm(self.base.weight, *self.merge_factors())
+
+    def merge_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(U [O_local, P*r], A [P*r, I_local]) in the base's dtype with W + U A the merged weight: the scaled
+        up-projection the forward reads and every part's A stacked."""
         p, r = self.lora_A.shape[:2]
-        w = self.base.weight
-        return torch.addmm(w, self._up_weight().to(w.dtype), self.lora_A.reshape(p * r, -1).to(w.dtype))
+        dtype = self.base.weight.dtype
+        return self._up_weight().to(dtype), self.lora_A.reshape(p * r, -1).to(dtype)
 
     def peft_tensors(self, grad: bool = False) -> Iterator[tuple[str, torch.Tensor, int | None]]:
         """(peft name, this rank's tensor, TP-split dim or None) for each adapter matrix; its ``.grad``

@@ -288,3 +288,57 @@ def test_fp8_mlp_hands_fc2_its_input_quantized(model, lora):
         fused = model(*_inputs())
     assert len(calls) == 2 * len(model.blocks) and all(c == lora for c in calls)  # image and text MLPs, each block
     torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-6)
+
+
+def _merge_quantize_vs_addmm(device: str, dtype: torch.dtype, n: int, k: int, r: int) -> None:
+    """``fp8.merge_quantize_rows`` (the merged weight never written) against ``quantize_rows`` of
+    ``torch.addmm(W, U, A)`` (the merged weight the engine built before): each code at most one e4m3 step away (the
+    product's float32 sum runs in another order, so a merged value can round one step of W's dtype apart), nearly
+    all equal, the scales within W's dtype's rounding of the row maximum; with U = 0 (a fresh adapter's B) the
+    codes and scales are exactly W's own ``quantize_rows``."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]).to(device, dtype)
+    u = (torch.randn(n, r, generator=g) * 0.05).to(device, dtype)
+    a = torch.randn(r, k, generator=g).to(device, dtype)
+    q, s = fp8.merge_quantize_rows(w, u, a)
+    rq, rs = quantize_rows(torch.addmm(w, u, a))
+    assert q.dtype == fp8.E4M3 and q.shape == (n, k) and s.shape == (n, 1) and s.dtype == torch.float32
+    step = (rq.float().abs() * 2.0 ** -3).clamp_min(2.0 ** -9)
+    assert ((q.float() - rq.float()).abs() <= step + 1e-6).all()
+    assert (q.view(torch.uint8) == rq.view(torch.uint8)).float().mean() > 0.999
+    torch.testing.assert_close(s, rs, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=0)
+    q0, s0 = fp8.merge_quantize_rows(w, torch.zeros_like(u), a)
+    wq, ws = quantize_rows(w)
+    assert torch.equal(q0.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s0, ws)
+    with pytest.raises(ValueError, match=r"U \[N, R\]"):
+        fp8.merge_quantize_rows(w, u[:, :-1], a)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's CPU interpreter only")
+@pytest.mark.parametrize("launch", [None, (16, 64, 32, 4)])  # the product's (one chunk here); rows and chunks split
+@pytest.mark.parametrize("dtype,n,k,r", [(torch.float32, 100, 200, 64), (torch.float32, 70, 300, 192),
+                                         (torch.float16, 33, 48, 8)])  # (the interpreter's bf16 dot is wrong)
+def test_merge_quantize_kernel_interpreted(launch, dtype, n, k, r, monkeypatch):
+    monkeypatch.setattr(fp8, "_MERGE_LAUNCH", launch)
+    _merge_quantize_vs_addmm("cpu", dtype, n, k, r)
+
+
+def test_merge_quantize_kernel_on_cpu():
+    """The merge kernel's logic (row blocks, column chunks and their partial maxima, rank chunks, masks) in Triton's
+    CPU interpreter, in a subprocess (Triton reads TRITON_INTERPRET when it decorates the kernel); and the CPU's own
+    path, the addmm then ``quantize_rows``."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"{__file__}::test_merge_quantize_kernel_interpreted"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and "6 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        _merge_quantize_vs_addmm("cpu", torch.float32, 40, 96, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k,r", [(1536, 3072, 192), (3072, 1536, 64), (300, 1000, 64)])
+def test_merge_quantize_kernel_on_gpu(n, k, r):
+    _merge_quantize_vs_addmm("cuda", torch.bfloat16, n, k, r)
