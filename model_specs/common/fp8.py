@@ -245,7 +245,7 @@ if triton is not None:
                                CHUNKS_P2: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
                                EMULATE: tl.constexpr):
         """A merged weight's rows ROWS at a time over CHUNK of their K columns: g = W + U·A in W's dtype (the dot in
-        float32, added to W and rounded once, as ``torch.addmm`` rounds it), never written.  The first launch
+        float32 over U's R columns padded to RB, added to W and rounded once), never written.  The first launch
         (``FINAL`` false) writes each (row, chunk)'s max |g| to ``part``; the second reads a row's CHUNKS maxima for
         its scale and recomputes g (the same ops on the same tiles: the same values) for its codes."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -257,20 +257,17 @@ if triton is not None:
                              other=0.0)
             scale = tl.maximum(tl.max(maxima, axis=1) / 448.0, 1e-12)
             inv_scale = 1.0 / scale
+        rr = tl.arange(0, RB)
+        um = tl.load(u + rows[:, None] * R + rr[None, :], mask=rm[:, None] & (rr < R)[None, :], other=0.0)
         amax = tl.zeros([ROWS], dtype=tl.float32)
-        for step in range(0, CHUNK, BK):
+        for step in tl.range(0, CHUNK, BK):
             cols = chunk * CHUNK + step + tl.arange(0, BK)
             cm = cols < K
-            acc = tl.zeros([ROWS, BK], dtype=tl.float32)
-            for r0 in range(0, R, RB):
-                rr = r0 + tl.arange(0, RB)
-                um = tl.load(u + rows[:, None] * R + rr[None, :], mask=rm[:, None] & (rr < R)[None, :], other=0.0)
-                am = tl.load(a + rr[:, None].to(tl.int64) * K + cols[None, :], mask=(rr < R)[:, None] & cm[None, :],
-                             other=0.0)
-                acc = tl.dot(um, am, acc, input_precision=PREC)
+            am = tl.load(a + rr[:, None].to(tl.int64) * K + cols[None, :], mask=(rr < R)[:, None] & cm[None, :],
+                         other=0.0)
             m = rm[:, None] & cm[None, :]
             wt = tl.load(w + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
-            g = (acc + wt.to(tl.float32)).to(wt.dtype)
+            g = (tl.dot(um, am, input_precision=PREC) + wt.to(tl.float32)).to(wt.dtype)
             if FINAL:
                 tl.store(q_out + rows[:, None] * K + cols[None, :], _e4m3_codes(g, inv_scale[:, None], m, EMULATE),
                          mask=m)
@@ -285,7 +282,7 @@ if triton is not None:
 
 # (ROWS, CHUNK, BK, warps) of the merge kernel instead of MERGE_LAUNCH (tests, bench/merge_quantize.py)
 _MERGE_LAUNCH: tuple[int, int, int, int] | None = None
-MERGE_LAUNCH = (64, 1024, 128, 4)
+MERGE_LAUNCH = (64, 1024, 64, 4)
 
 
 def merge_quantize_rows(w_NK: torch.Tensor, u_NR: torch.Tensor,
@@ -312,13 +309,13 @@ def merge_quantize_rows(w_NK: torch.Tensor, u_NR: torch.Tensor,
     q = torch.empty(n, k, device=w_NK.device, dtype=E4M3)
     s = torch.empty(n, 1, device=w_NK.device, dtype=torch.float32)
     part = torch.empty(n, chunks, device=w_NK.device, dtype=torch.float32)
-    rb = max(16, min(64, triton.next_power_of_2(r)))
+    rb = max(16, triton.next_power_of_2(r))
     for final in (False, True):
         _merge_quantize_kernel[(triton.cdiv(n, rows), chunks)](
             w_NK, u_NR, a_RK, part, q, s, n, K=k, R=r, ROWS=rows, CHUNK=chunk, BK=bk, RB=rb, CHUNKS=chunks,
             CHUNKS_P2=triton.next_power_of_2(chunks), FINAL=final,
             PREC="ieee" if w_NK.dtype == torch.float32 else "tf32",
-            EMULATE=not w_NK.is_cuda if _EMULATE is None else _EMULATE, num_warps=warps)
+            EMULATE=not w_NK.is_cuda if _EMULATE is None else _EMULATE, num_warps=warps, num_stages=2)
     return q, s
 
 
