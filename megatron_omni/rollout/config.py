@@ -32,11 +32,6 @@ class EngineConfig:
     # of inductor's reductions over the row; Qwen-Image blocks (others keep the handoff); on by default: the FP8 step's
     # sampling phase −7.9 % on an H100 (30 blocks, alternating A/B, bench/RESULTS.md); false = inductor's fusion
     fp8_adaln_kernel: bool = True
-    # with fp8 and merged adapters on a GPU: each adapted linear's FP8 copy is quantized straight from W, B and A
-    # (model_specs.common.fp8.merge_quantize_rows: two Triton passes over W, the merged weight never written)
-    # instead of an addmm writing W + s·B·A in the model dtype and the row kernel quantizing it; false = that
-    # addmm, then the row kernel
-    fp8_merge_kernel: bool = True
     # a LoRA engine's adapters: merged = each adapted linear's rollout weight is W + s·B·A (rebuilt at each weight
     # change; one GEMM instead of the base's and the adapter's skinny two: model_specs.common.rollout_linear;
     # without FP8 a model-dtype copy of the adapted weights while the rollout runs), whose rounding differs from the

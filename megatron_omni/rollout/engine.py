@@ -257,8 +257,7 @@ class EmbeddedEngine:
         if self.config.fp8:
             check_fp8_device(self._device)
         # (before the fusions: an epilogue yields to FP8, and to a merged adapter)
-        self.fp8 = enable_fp8(model, fast_accum=self.config.fp8_fast_accum,
-                                         merge_kernel=self.config.fp8_merge_kernel) if self.config.fp8 else 0
+        self.fp8 = enable_fp8(model, fast_accum=self.config.fp8_fast_accum) if self.config.fp8 else 0
         self.merged = merge_adapters(model) if self.config.merges_lora(self._device.type) else 0
         self.fused = fuse_inference(model) if self.config.fuse else 0
         self.adaln_fp8 = enable_adaln_fp8(model, self.config.fp8_adaln_kernel and bool(self.fp8 and self.fused))

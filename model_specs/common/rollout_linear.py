@@ -35,7 +35,6 @@ class RolloutLinear:
     _adapter = None  # the wrapping LoRALinear while merged (set with object.__setattr__: not a submodule)
     _rollout_version: tuple | None = None
     fp8_fast_accum = True  # the GPU kernel's fast accumulation (fp8.fp8_matmul)
-    fp8_merge_kernel = True  # a merged adapter's FP8 copy by fp8.merge_quantize_rows (no model-dtype merged weight)
 
     def fp8_capable(self) -> bool:
         """Whether this linear's product is a plain local x W^T (no sequence parallelism, no output gather)."""
@@ -43,13 +42,10 @@ class RolloutLinear:
         return (not getattr(self, "sequence_parallel", False) and not getattr(self, "gather_output", False)
                 and k % 16 == 0 and n % 16 == 0)
 
-    def set_fp8(self, enable: bool, fast_accum: bool = True, merge_kernel: bool = True) -> bool:
-        """Switch the FP8 path on (quantizing the weight) or off (dropping the copy); returns whether it is on.
-        ``merge_kernel``: a merged adapter's copy quantized in one pass from W, B and A (``fp8.merge_quantize_rows``)
-        instead of from the merged weight written first."""
+    def set_fp8(self, enable: bool, fast_accum: bool = True) -> bool:
+        """Switch the FP8 path on (quantizing the weight) or off (dropping the copy); returns whether it is on."""
         self._fp8_on = bool(enable) and self.fp8_capable()
         self.fp8_fast_accum = bool(fast_accum)
-        self.fp8_merge_kernel = bool(merge_kernel)
         self.drop_rollout()
         self.refresh_rollout()
         return self._fp8_on
@@ -78,14 +74,9 @@ class RolloutLinear:
         version += (self._merging(),)
         if version == self._rollout_version:
             return
-        if self._fp8_on and self._merging() and self.fp8_merge_kernel:
-            self.fp8_weight, scale_N1 = fp8.merge_quantize_rows(w, *self._adapter.merge_factors())
-            source = None
-        else:
-            source = self._adapter.merged_weight() if self._merging() else w
-            if self._fp8_on:
-                self.fp8_weight, scale_N1 = fp8.quantize_weight_rows(source)
+        source = self._adapter.merged_weight() if self._merging() else w
         if self._fp8_on:
+            self.fp8_weight, scale_N1 = fp8.quantize_weight_rows(source)
             self.fp8_scale = scale_N1.t().contiguous()
         self.merged_weight = source if self._merging() and not self._fp8_on else None
         self._rollout_version = version
@@ -148,12 +139,11 @@ def rollout_linears(model: torch.nn.Module):
     return ((name, m) for name, m in model.named_modules() if isinstance(m, RolloutLinear))
 
 
-def enable_fp8(model: torch.nn.Module, enable: bool = True, fast_accum: bool = True,
-               merge_kernel: bool = True) -> int:
+def enable_fp8(model: torch.nn.Module, enable: bool = True, fast_accum: bool = True) -> int:
     """Switch every FP8-capable local linear of ``model`` to FP8 products (``enable=False``: all back), with the
-    GPU kernel's fast accumulation or not, merged adapters' copies by ``fp8.merge_quantize_rows`` or not; returns
-    how many are on.  Call before ``fusion.fuse_inference``: a fused GEMM epilogue yields to FP8."""
-    return sum(m.set_fp8(enable, fast_accum, merge_kernel) for _, m in rollout_linears(model))
+    GPU kernel's fast accumulation or not; returns how many are on.  Call before ``fusion.fuse_inference``: a fused
+    GEMM epilogue yields to FP8."""
+    return sum(m.set_fp8(enable, fast_accum) for _, m in rollout_linears(model))
 
 
 def merge_adapters(model: torch.nn.Module, enable: bool = True) -> int:

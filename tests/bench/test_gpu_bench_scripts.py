@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
                                            ("attention_mask.py", "--repeats"), ("gemm_shapes.py", "--rollout-batch"),
                                            ("qk_norm_rope.py", "--batch"), ("fp8_gemm.py", "--rows"),
                                            ("gelu_quantize.py", "--text-tokens"), ("fp8_attention.py", "--tokens"),
-                                           ("norm_quantize.py", "--text-tokens"), ("sdpa_host.py", "--queue-ms"),
-                                           ("merge_quantize.py", "--rank")])
+                                           ("norm_quantize.py", "--text-tokens"), ("sdpa_host.py", "--queue-ms")])
 def test_help(script, option):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)

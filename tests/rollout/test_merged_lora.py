@@ -129,28 +129,6 @@ def test_fp8_quantizes_the_merged_weight(model, low_rank_calls):
     assert unmerged_fp8.fp8_weight is not None  # (a base without an adapter keeps its copy: it never changes)
 
 
-def test_fp8_merged_copies_come_from_the_merge_kernel_unless_switched_off(model, monkeypatch):
-    """``rollout.fp8_merge_kernel`` reaches every FP8 linear through the engine: on (the default), a merged
-    adapter's copy comes from ``fp8.merge_quantize_rows`` (W, U, A; no model-dtype merged weight built), off from
-    ``quantize_weight_rows`` of ``merged_weight()``; the CPU's copies are the same bytes either way."""
-    calls = []
-    real = fp8.merge_quantize_rows
-    monkeypatch.setattr(fp8, "merge_quantize_rows", lambda w, u, a: calls.append(w.shape) or real(w, u, a))
-    copies = {}
-    for on in (True, False):
-        calls.clear()
-        engine = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(fp8=True, lora_weights="merged",
-                                                                        fp8_merge_kernel=on))
-        assert engine.fp8 and engine.merged
-        fp8_linears = [m for _, m in rollout_linears(model) if m._fp8_on]
-        assert all(m.fp8_merge_kernel is on for m in fp8_linears)
-        assert len(calls) == (engine.merged if on else 0)
-        assert all(m.merged_weight is None for m in fp8_linears)
-        copies[on] = [(m.fp8_weight.view(torch.uint8).clone(), m.fp8_scale.clone()) for m in fp8_linears]
-        merge_adapters(model, enable=False)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(copies[True], copies[False]))
-
-
 def test_engine_merges_as_configured_and_parks(model, low_rank_calls):
     reqs = [Request(prompt="a red cat", img_fhw=FHW, num_steps=3, guidance_scale=4.0, seed=3, window_size=2,
                     window_range=(0, 1), noise_level=1.0)]
