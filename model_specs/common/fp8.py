@@ -12,9 +12,11 @@ emulation of that kernel elsewhere (the same quantized operands, dequantized, mu
 path's logic is testable on a CPU.  The bias, megatron's TP reductions and a LoRA adapter's low-rank output stay
 as they are, in the model dtype.
 
-Only GEMMs of at least ``MIN_ROWS`` rows take the FP8 path: the per-token ones (image and text tokens).  The
-per-sample GEMMs (a batch's few rows: the timestep embedding) stay in the model dtype; they cost nothing and a
-per-sample scale buys no speed.  Linears that gather their output (the adaLN modulations) are never switched.
+Only the per-token GEMMs (image and text tokens) take the FP8 path, from ``MIN_ROWS`` rows on.  The per-sample
+linears (``RolloutLinear.per_sample``: the timestep and pooled-text embedders, a batch's few rows whose output
+modulates every token) and those that gather their output (the adaLN modulations) are never switched.  The floor
+lets a batch's short text stream in too (Qwen-Image's 5-token negative prompt: 80 rows at the recipe's batch 16,
+where the model dtype's path read the whole bf16 weight and ran each adapter's two products apart).
 
 The switched linears and their quantized copies: ``model_specs.common.rollout_linear`` (rebuilt when the weight
 changes; with the engine sharing the policy's base, LoRA in process, the copy costs half the base's bf16 bytes;
@@ -35,7 +37,7 @@ except ImportError:  # CPU-only installs: the torch path
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-MIN_ROWS = 256  # GEMMs with fewer rows (per-sample ones) stay in the model dtype
+MIN_ROWS = 16  # per-token GEMMs with fewer rows stay in the model dtype (256 until 2026-12-07)
 _TINY = 1e-12  # floor of a scale: an all-zero row quantizes to zeros, not NaN
 
 

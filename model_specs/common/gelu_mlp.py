@@ -111,7 +111,7 @@ class GeluMLP(MLP):
         fc1 = self.linear_fc1
         x_MK = hidden_states.reshape(-1, hidden_states.shape[-1])
         if uses_fp8(fc1):
-            if x_MK.shape[0] < fp8.MIN_ROWS:  # (a per-sample GEMM: the model dtype's path)
+            if x_MK.shape[0] < fp8.MIN_ROWS:  # (too few rows for FP8: the model dtype's path)
                 return super().forward(hidden_states)
             return self._fp8_forward(FP8Input(*fp8.quantize_rows(x_MK), hidden_states, hidden_states))
         if isinstance(fc1, LoRALinear) and fc1.enabled and not fc1.merged_in_base(x_MK):

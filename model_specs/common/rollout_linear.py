@@ -35,12 +35,16 @@ class RolloutLinear:
     _adapter = None  # the wrapping LoRALinear while merged (set with object.__setattr__: not a submodule)
     _rollout_version: tuple | None = None
     fp8_fast_accum = True  # the GPU kernel's fast accumulation (fp8.fp8_matmul)
+    # a per-sample linear (a timestep or pooled-text embedder: a batch's few rows, whose output modulates every token):
+    # its product stays in the model dtype whatever its rows (``fp8_capable``)
+    per_sample = False
 
     def fp8_capable(self) -> bool:
-        """Whether this linear's product is a plain local x W^T (no sequence parallelism, no output gather)."""
+        """Whether this linear's product is a per-token, plain local x W^T (not ``per_sample``, no sequence
+        parallelism, no output gather)."""
         k, n = self.weight.shape[1], self.weight.shape[0]
-        return (not getattr(self, "sequence_parallel", False) and not getattr(self, "gather_output", False)
-                and k % 16 == 0 and n % 16 == 0)
+        return (not self.per_sample and not getattr(self, "sequence_parallel", False)
+                and not getattr(self, "gather_output", False) and k % 16 == 0 and n % 16 == 0)
 
     def set_fp8(self, enable: bool, fast_accum: bool = True) -> bool:
         """Switch the FP8 path on (quantizing the weight) or off (dropping the copy); returns whether it is on."""

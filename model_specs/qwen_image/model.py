@@ -69,6 +69,7 @@ class QwenImageModel(MegatronModule):
         self.time_linear_2 = RowParallelLinear(hidden, hidden, config=config, bias=True, input_is_parallel=True,
                                                init_method=config.output_layer_init_method, skip_bias_add=False,
                                                tp_group=tp_group)
+        self.time_linear_1.per_sample = self.time_linear_2.per_sample = True  # (never FP8: RolloutLinear)
         for p in (*self.time_linear_1.parameters(), *self.time_linear_2.parameters()):
             p.pipeline_parallel = True  # replicated on every stage: finalize_model_grads sums over PP
             # ... and counted once in the grad norm (megatron skips `shared` params there): on the first stage

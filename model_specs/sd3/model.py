@@ -94,6 +94,7 @@ class SD3Model(MegatronModule):
         second = RowParallelLinear(hidden, hidden, config=config, bias=True, input_is_parallel=True,
                                    init_method=config.output_layer_init_method, skip_bias_add=False,
                                    tp_group=tp_group)
+        first.per_sample = second.per_sample = True  # (never FP8: RolloutLinear)
         for p in (*first.parameters(), *second.parameters()):
             p.pipeline_parallel = True  # replicated on every stage: finalize_model_grads sums over PP
             p.shared = not self.pre_process  # ... and counted once in the grad norm: on the first stage

@@ -84,6 +84,28 @@ def test_switched_linears_run_fp8_without_autograd_only(model):
         assert torch.equal(model(*_inputs()), plain)
 
 
+def test_per_sample_linears_stay_in_the_model_dtype_and_short_text_streams_switch(model, monkeypatch):
+    """The timestep embedder's linears (``per_sample``: the batch's rows, whose output modulates every token) are
+    never switched, whatever their rows; every block linear is; a text stream of MIN_ROWS rows (2 prompts x 8
+    tokens: a batch's short negative prompt) runs its products in FP8, one of fewer rows in the model dtype."""
+    enable_fp8(model)
+    switched = {n for n, m in rollout_linears(model) if m._fp8_on}
+    assert not {"time_linear_1", "time_linear_2"} & switched
+    assert switched == {n for n, _ in rollout_linears(model) if n.startswith("blocks.")}
+    rows = []
+    real = fp8.scaled_product
+    monkeypatch.setattr(fp8, "scaled_product", lambda x_q, *a, **k: rows.append(x_q.shape[0]) or real(x_q, *a, **k))
+    for batch, text_fp8 in ((2, True), (1, False)):
+        rows.clear()
+        with torch.no_grad():
+            model(*_inputs(batch))
+        blocks = len(model.blocks)
+        # per block: QKV, out projection, fc1, fc2 of the image stream (16 x batch rows), and of the text stream's
+        # 8 x batch rows from MIN_ROWS on
+        assert sorted(set(rows)) == ([8 * batch, 16 * batch] if text_fp8 else [16 * batch])
+        assert len(rows) == blocks * 4 * (2 if text_fp8 else 1)
+
+
 def test_quantized_copies_follow_weight_changes(model):
     enable_fp8(model)
     linear = next(m for n, m in rollout_linears(model) if n.endswith("linear_proj"))

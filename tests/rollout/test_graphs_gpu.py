@@ -25,7 +25,7 @@ def single_gpu():
 
 
 def _requests(steps: int):
-    # 16 x 16 image tokens: FP8's MIN_ROWS with 2 rows; two prompts of one length (one batch), whose negative prompt
+    # 16 x 16 image tokens (FP8 from fp8.MIN_ROWS rows on); two prompts of one length (one batch), whose negative prompt
     # has another, so the CFG batch runs two forward layouts (two graphs sharing one pool)
     common = dict(img_fhw=(1, 16, 16), num_steps=steps, shift=2.0, noise_level=1.2, guidance_scale=4.0,
                   window_size=2, window_range=(0, 2), keep_uncond_velocity=True)

@@ -39,7 +39,7 @@ def test_merged_forward_on_gpu(single_gpu, fp8_on):
         with torch.no_grad():
             lora.lora_B.normal_(std=0.05)
     inputs = [t.cuda().to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-              for t in _inputs(batch=16)]  # 256 image rows: FP8's MIN_ROWS
+              for t in _inputs(batch=16)]  # 256 image rows (FP8 from fp8.MIN_ROWS rows on)
     enable_fp8(m, fp8_on)
     fuse_inference(m)
     with torch.no_grad():
