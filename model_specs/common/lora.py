@@ -219,7 +219,7 @@ class LoRALinear(torch.nn.Module):
         """W + (alpha / r) * B A of this rank's base in its dtype (the rollout's merged weight): one addmm of the
         up-projection the forward reads and the stacked A (every part's delta at once).  On a CPU the sum with W is
         rounded once; cuBLAS's 16-bit addmm rounds the product to W's dtype before adding W (on an H200 ~26 % of the
-        merged bf16 values are one step from the single rounding's, ~3 % of their FP8 codes: bench/RESULTS.md,
+        merged bf16 values differ from the single rounding's, and 0.4-3 % of their FP8 codes: bench/RESULTS.md,
         2026-12-07), far below the FP8 copy's own rounding."""
         p, r = self.lora_A.shape[:2]
         w = self.base.weight
