@@ -52,9 +52,11 @@ same FLOP counters (26 forwards per image: it recomputes the uncond rows in trai
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -86,6 +88,7 @@ class LoopResult:
     error: str | None = None
     flops: float | None = None  # DiT FLOPs per step (ours: the loop's count)
     phase_flops: dict[str, float] = field(default_factory=dict)  # the reference's, by phase
+    peak_gib: float | None = None  # the device's peak allocation over the loop (None on the CPU)
 
 
 # ---- the pipeline folder ---------------------------------------------------------------------------------
@@ -234,7 +237,7 @@ def run_ours(cfg, steps: int, warmup: int, profile: tuple[str, ...],
             run.close()
         del run
         destroy_parallel()
-    result.notes += _memory_note("ours")
+    result.notes += _memory_note(result, "ours")
     free_device_memory(device)
     return result, shape
 
@@ -324,13 +327,13 @@ def run_reference(recipe: Recipe, steps: int) -> LoopResult:
         result.error = f"out of memory: {str(e).splitlines()[0]}"
     finally:
         del ref
-    result.notes += _memory_note(result.name)
+    result.notes += _memory_note(result, result.name)
     free_device_memory(recipe.device)
     return result
 
 
-def _memory_note(name: str) -> list[str]:
-    peak = peak_gib(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+def _memory_note(result: LoopResult, name: str) -> list[str]:
+    result.peak_gib = peak = peak_gib(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     return [f"{name}: peak {peak:.1f} GiB allocated"] if peak is not None else []
 
 
@@ -419,21 +422,62 @@ def print_table(cfg, results: list[LoopResult], steps: int, notes: list[str], sm
     Console(width=200).print(table)
 
 
-def set_inductor(item: str) -> str | None:
-    """Set one ``torch._inductor.config`` option from ``KEY=VALUE`` (VALUE a Python literal); the error, or None."""
+def set_constant(item: str, module: str | None = None) -> str | None:
+    """Set one module-level constant from ``MODULE.NAME=VALUE`` (VALUE a Python literal of the constant's type; with
+    ``module`` given, ``NAME=VALUE`` in that module): the error, or None.  Set before anything is built or compiled,
+    so an A/B of a constant the code reads at call time (``model_specs.common.fp8.MIN_ROWS``) needs no patched tree."""
     import ast
-
-    import torch._inductor.config as inductor
+    import importlib
 
     key, sep, text = item.partition("=")
-    if not sep or not hasattr(inductor, key):
-        return "expected KEY=VALUE with KEY an option of torch._inductor.config"
+    path, _, name = (f"{module}.{key}" if module else key).rpartition(".")
+    if not sep or not path or not name:
+        return f"expected {'KEY' if module else 'MODULE.NAME'}=VALUE"
+    try:
+        target = importlib.import_module(path)
+    except ImportError as e:
+        return f"module {path!r} does not import ({e})"
+    if not hasattr(target, name):
+        return f"expected KEY=VALUE with KEY an option of {path}" if module else f"{path} has no constant {name!r}"
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return f"VALUE {text!r} is not a Python literal (True, 4, 'name')"
-    setattr(inductor, key, value)
+    old = getattr(target, name)
+    if old is not None and type(value) is not type(old) and not (isinstance(old, float) and type(value) is int):
+        return f"VALUE {text!r} is a {type(value).__name__}; {path}.{name} is a {type(old).__name__} ({old!r})"
+    setattr(target, name, value)
     return None
+
+
+def set_inductor(item: str) -> str | None:
+    """Set one ``torch._inductor.config`` option from ``KEY=VALUE`` (VALUE a Python literal); the error, or None."""
+    return set_constant(item, module="torch._inductor.config")
+
+
+def constant_value(path: str):
+    """The value a ``MODULE.NAME`` constant holds now (after --constant / --inductor set it)."""
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def write_json(path: str, argv: list[str], cfg, results: list[LoopResult], steps: int, constants: list[str]) -> None:
+    """The table's numbers for a driver (bench/ab.py): per loop its phases' median seconds, the DiT side and end to
+    end with images/s, and ours' last-step log-prob check and peak memory; the constants as the run ended with them
+    (``constants``: MODULE.NAME paths)."""
+    n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    loops = []
+    for res in results:
+        row = {"name": res.name, "error": res.error, "seconds": res.seconds, "images": n, "peak_gib": res.peak_gib}
+        if not res.error:
+            row["images_per_second"] = {k: n / res.seconds[k] for k in ("dit", "e2e") if k in res.seconds}
+            row["last"] = {k: v for k, v in res.last.items() if isinstance(v, (int, float))}
+        loops.append(row)
+    device = torch.cuda.get_device_name() if cfg.parallel.device != "cpu" and torch.cuda.is_available() else "cpu"
+    Path(path).write_text(json.dumps({"argv": argv, "device": device, "steps": steps, "loops": loops,
+                                      "constants": {c: constant_value(c) for c in constants}}, indent=1) + "\n")
 
 
 def main(argv=None) -> None:
@@ -465,6 +509,10 @@ def main(argv=None) -> None:
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set torch._inductor.config.KEY to the Python literal VALUE before anything compiles "
                         "(repeatable; an A/B of inductor's options), e.g. --inductor combo_kernels=True")
+    p.add_argument("--constant", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a module-level constant to the Python literal VALUE (its type) before anything is built "
+                        "(repeatable; an A/B of a constant), e.g. --constant model_specs.common.fp8.MIN_ROWS=256")
+    p.add_argument("--json", metavar="FILE", help="also write the table's numbers to FILE (bench/ab.py reads it)")
     p.add_argument("--skip-reference", action="store_true", help="time ours only")
     p.add_argument("--profile", nargs="*", choices=("step", "sampling", "train"), metavar="PHASE",
                    help="after ours' timed steps: 'step' (alone: the default) lists where a whole RL step's host "
@@ -495,6 +543,9 @@ def main(argv=None) -> None:
     for item in args.inductor:
         if (err := set_inductor(item)) is not None:
             p.error(f"--inductor {item}: {err}")
+    for item in args.constant:
+        if (err := set_constant(item)) is not None:
+            p.error(f"--constant {item}: {err}")
     steps = min(args.steps, 2) if args.smoke else args.steps
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world > 1 and not (args.model or args.smoke):
@@ -522,6 +573,10 @@ def main(argv=None) -> None:
                          f"under no_grad")
         if rank == 0:
             print_table(cfg, results, steps, notes, args.smoke)
+            if args.json:
+                constants = [item.partition("=")[0] for item in args.constant]
+                constants += [f"torch._inductor.config.{item.partition('=')[0]}" for item in args.inductor]
+                write_json(args.json, sys.argv[1:] if argv is None else list(argv), cfg, results, steps, constants)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
