@@ -13,7 +13,8 @@ inductor's on-disk cache is shared, so the first run of a cold machine is the sl
 or read the second round).  Rounds alternate the order -- A B, then B A -- so that a drift of the machine falls on
 both arms.  A run's output goes to ``--log-dir``/<round>-<arm>.log, its numbers to <round>-<arm>.json; its step
 lines are echoed as they come.  ``--timeout`` stops a run (its process group); ``--budget`` starts no run once
-fewer seconds are left than the longest run so far took (a device call's limit); ``--resume`` reads the runs
+fewer seconds are left than the quickest run so far took, and stops a run when it is spent (a device call's limit:
+the runs finished so far are kept, the table printed; so is SIGTERM's, an outer ``timeout``'s); ``--resume`` reads the runs
 already in ``--log-dir`` and runs the rest (a folder that outlives the call: the device's $OUT starts empty).  The
 table: per run the engine's sampling, train, sync, the DiT side and end to end (images/s), the log-prob check and
 the peak; then per arm the medians, and each arm's DiT side against the first arm's.  Exit status 1 when a run
@@ -75,6 +76,9 @@ def run_one(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, floa
                 if line.startswith(ECHO) or line.split(":", 1)[0].endswith(("Error", "Exception")):
                     print(f"    {line.rstrip()}", flush=True)
             proc.wait()
+        except BaseException:  # SIGTERM / Ctrl-C: the run's processes do not outlive this one
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         finally:
             timer.cancel()
     return (None if stopped.is_set() else proc.returncode), time.perf_counter() - start
@@ -126,7 +130,7 @@ def print_table(title: str, order: list[tuple[int, str]], done: dict, names: lis
                 "log-prob abs(Δ), Pearson", "peak GiB", "reference / ours"):
         table.add_column(col, justify="left" if col in ("round", "arm") else "right")
     for key in order:
-        run = done.get(key, {"error": "not started (--budget)"})
+        run = done.get(key, {"error": "not started"})
         table.add_row(str(key[0] + 1), key[1], *(cells(run) if "seconds" in run else [run["error"]] + [""] * 7))
     table.add_section()
     medians = {}
@@ -142,6 +146,44 @@ def print_table(title: str, order: list[tuple[int, str]], done: dict, names: lis
     Console(width=220).print(table)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_all(order: list[tuple[int, str]], arms: dict[str, list[str]], common: list[str], args, log_dir: Path,
+            done: dict) -> None:
+    """Run (or, with --resume, read) each (round, arm) of ``order`` into ``done`` until --budget is spent."""
+    start, quickest = time.perf_counter(), None
+    for key in order:
+        left = None if args.budget is None else args.budget - (time.perf_counter() - start)
+        if left is not None and (left <= 0 or (quickest is not None and left < quickest)):
+            print(f"  {max(left, 0):.0f} s of --budget left, under the quickest run's {quickest or 0:.0f} s: the rest "
+                  f"not started", flush=True)
+            return
+        stem = log_dir / f"{key[0] + 1}-{key[1]}"
+        if args.resume and (run := read_run(Path(f"{stem}.json"))) is not None:
+            done[key] = run
+            print(f"  round {key[0] + 1}, {key[1]}: read from {stem}.json (--resume)", flush=True)
+            continue
+        Path(f"{stem}.json").unlink(missing_ok=True)  # an earlier A/B's numbers in this folder are not this run's
+        cmd = [sys.executable, str(SCRIPT), *common, *arms[key[1]], "--json", f"{stem}.json"]
+        print(f"  round {key[0] + 1}, {key[1]}: {shlex.join(cmd[1:])}", flush=True)
+        try:
+            status, wall = run_one(cmd, stem.with_suffix(".log"),
+                                   args.timeout if left is None else min(args.timeout, left))
+        except KeyboardInterrupt:
+            done[key] = {"error": "interrupted (SIGTERM / Ctrl-C)"}
+            raise
+        run = read_run(Path(f"{stem}.json")) if status == 0 else None
+        if run is None:
+            tail = (stem.with_suffix(".log").read_text().strip().splitlines() or ["no output"])[-1]
+            run = {"error": f"stopped after {wall:.0f} s" if status is None else f"exit {status}: {tail[:150]}"}
+        else:
+            quickest = wall if quickest is None else min(quickest, wall)
+        done[key] = run
+        print(f"  ... {wall:.0f} s" + (f": {run['error']}" if "error" in run else ""), flush=True)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -153,7 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="runs per arm, the order alternating (default 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take before it is stopped")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole A/B: no run starts once fewer are left than the longest run took")
+                   help="seconds for the whole A/B: no run starts once fewer are left than the quickest run took, "
+                        "and a run is stopped when they are spent")
     p.add_argument("--log-dir", metavar="DIR", help="each run's output and JSON (default: a new temporary folder)")
     p.add_argument("--resume", action="store_true",
                    help="a run whose JSON is already in --log-dir is read, not run again (an A/B over device calls)")
@@ -168,29 +211,13 @@ def main(argv=None) -> int:
         p.error(f"--rounds {args.rounds}, --timeout {args.timeout}: expected an integer >= 1 and seconds > 0")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_ab_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    names, order, done, start, longest = list(arms), run_order(list(arms), args.rounds), {}, time.perf_counter(), 0.0
+    names, order, done = list(arms), run_order(list(arms), args.rounds), {}
     print(f"A/B of {len(names)} arms x {args.rounds} rounds; logs in {log_dir}", flush=True)
-    for key in order:
-        left = None if args.budget is None else args.budget - (time.perf_counter() - start)
-        if left is not None and left < longest:
-            print(f"  {left:.0f} s of --budget left, under the longest run's {longest:.0f} s: the rest not started")
-            break
-        stem = log_dir / f"{key[0] + 1}-{key[1]}"
-        if args.resume and (run := read_run(Path(f"{stem}.json"))) is not None:
-            done[key] = run
-            print(f"  round {key[0] + 1}, {key[1]}: read from {stem}.json (--resume)", flush=True)
-            continue
-        Path(f"{stem}.json").unlink(missing_ok=True)  # an earlier A/B's numbers in this folder are not this run's
-        cmd = [sys.executable, str(SCRIPT), *common, *arms[key[1]], "--json", f"{stem}.json"]
-        print(f"  round {key[0] + 1}, {key[1]}: {shlex.join(cmd[1:])}", flush=True)
-        status, wall = run_one(cmd, stem.with_suffix(".log"), args.timeout if left is None else min(args.timeout, left))
-        longest = max(longest, wall)
-        run = read_run(Path(f"{stem}.json")) if status == 0 else None
-        if run is None:
-            tail = (stem.with_suffix(".log").read_text().strip().splitlines() or ["no output"])[-1]
-            run = {"error": f"stopped after {wall:.0f} s" if status is None else f"exit {status}: {tail[:150]}"}
-        done[key] = run
-        print(f"  ... {wall:.0f} s" + (f": {run['error']}" if "error" in run else ""), flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run_all(order, arms, common, args, log_dir, done)
+    except KeyboardInterrupt:
+        print("  interrupted: the runs finished so far are in the table", flush=True)
     devices = sorted({run["device"] for run in done.values() if "device" in run}) or ["no run finished"]
     print_table(f"bench/ab.py on {', '.join(devices)}: {shlex.join(common)}", order, done, names)
     return 0 if all("seconds" in done.get(key, {}) for key in order) else 1
