@@ -2,7 +2,7 @@
 records one.
 
     python3 bench/ab.py --arm new= --arm "control=--constant model_specs.common.fp8.MIN_ROWS=256" --rounds 2 \
-        --timeout 420 --budget 580 --log-dir /tmp/ab -- \
+        --timeout 420 --budget 565 --min-run 200 --log-dir /tmp/ab -- \
         --random-transformer --compile default --compile-train default --steps 2 --skip-reference --fp8 --micro-batch 8
     python3 bench/ab.py ... --resume --log-dir /tmp/ab -- ...   # the next call (a warm machine): the runs still due
     python3 bench/ab.py --arm a= --arm "b=--set rollout.fuse=false" -- --smoke --steps 1 --skip-reference   # the CPU
@@ -13,12 +13,12 @@ inductor's on-disk cache is shared, so the first run of a cold machine is the sl
 or read the second round).  Rounds alternate the order -- A B, then B A -- so that a drift of the machine falls on
 both arms.  A run's output goes to ``--log-dir``/<round>-<arm>.log, its numbers to <round>-<arm>.json; its step
 lines are echoed as they come.  ``--timeout`` stops a run (its process group); ``--budget`` starts no run once
-fewer seconds are left than the quickest run so far took, and stops a run when it is spent (a device call's limit:
-the runs finished so far are kept, the table printed; so is SIGTERM's, an outer ``timeout``'s); ``--resume`` reads the runs
-already in ``--log-dir`` and runs the rest (a folder that outlives the call: the device's $OUT starts empty).  The
-table: per run the engine's sampling, train, sync, the DiT side and end to end (images/s), the log-prob check and
-the peak; then per arm the medians, and each arm's DiT side against the first arm's.  Exit status 1 when a run
-failed, timed out or was not started.
+fewer seconds are left than the quickest run so far took (or ``--min-run``), and stops the run in flight when they
+are spent (a device call's limit); the runs finished by then are kept and the table printed, as on SIGTERM (an
+outer ``timeout``).  ``--resume`` reads the runs already in ``--log-dir`` and runs the rest (a folder that
+outlives the call: the device's $OUT starts empty).  The table: per run the engine's sampling, train, sync, the DiT
+side and end to end (images/s), the log-prob check and the peak; then per arm the medians, and each arm's DiT side
+against the first arm's.  Exit status 1 when a run failed, timed out or was not started.
 """
 from __future__ import annotations
 
@@ -156,9 +156,10 @@ def run_all(order: list[tuple[int, str]], arms: dict[str, list[str]], common: li
     start, quickest = time.perf_counter(), None
     for key in order:
         left = None if args.budget is None else args.budget - (time.perf_counter() - start)
-        if left is not None and (left <= 0 or (quickest is not None and left < quickest)):
-            print(f"  {max(left, 0):.0f} s of --budget left, under the quickest run's {quickest or 0:.0f} s: the rest "
-                  f"not started", flush=True)
+        need = args.min_run if args.min_run is not None else quickest
+        if left is not None and (left <= 0 or (need is not None and left < need)):
+            print(f"  {max(left, 0):.0f} s of --budget left, under a run's {need or 0:.0f} s: the rest not started",
+                  flush=True)
             return
         stem = log_dir / f"{key[0] + 1}-{key[1]}"
         if args.resume and (run := read_run(Path(f"{stem}.json"))) is not None:
@@ -197,6 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole A/B: no run starts once fewer are left than the quickest run took, "
                         "and a run is stopped when they are spent")
+    p.add_argument("--min-run", type=float, default=None, metavar="S",
+                   help="with --budget: the seconds a run needs at the least (default: the quickest run so far took; "
+                        "a cold machine's first run is the slowest, so give a warm run's time to start a second)")
     p.add_argument("--log-dir", metavar="DIR", help="each run's output and JSON (default: a new temporary folder)")
     p.add_argument("--resume", action="store_true",
                    help="a run whose JSON is already in --log-dir is read, not run again (an A/B over device calls)")
