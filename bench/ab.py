@@ -86,9 +86,10 @@ def run_one(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, floa
 
 def read_run(path: Path) -> dict | None:
     """Ours' numbers from a run's JSON (bench/flow_grpo_step.py --json), the reference's DiT side beside them."""
-    if not path.exists():
+    try:
+        record = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # no run, or one stopped while it wrote: run it (again)
         return None
-    record = json.loads(path.read_text())
     loops = record["loops"]
     ours = next(row for row in loops if row["name"].startswith("ours"))
     if ours["error"]:

@@ -88,3 +88,15 @@ def test_a_run_past_the_timeout_is_stopped_and_named(tmp_path):
     assert out.returncode == 1, (out.stdout + out.stderr)[-3000:]
     assert re.findall(r"^│ 1\s*│ (\w)\s*│ stopped after 2 s", out.stdout, re.M) == ["a", "b"], out.stdout[-3000:]
     assert "bench/ab.py on no run finished" in out.stdout
+
+
+def test_a_run_json_cut_short_or_missing_is_run_again_and_an_error_row_is_kept(bench, tmp_path):
+    """--resume reads a finished run's JSON; one cut short (a run stopped while it wrote) or missing reads as not
+    run, and a run that ended in an error row (out of memory) reads as that error, not retried."""
+    ab, _ = bench
+    cut = tmp_path / "1-a.json"
+    cut.write_text('{"argv": ["--smoke"], "loops": [')
+    assert ab.read_run(cut) is None and ab.read_run(tmp_path / "2-a.json") is None
+    cut.write_text(json.dumps({"argv": [], "device": "cpu", "steps": 1, "constants": {},
+                               "loops": [{"name": "ours: megatron-omni train's rl_step", "error": "out of memory"}]}))
+    assert ab.read_run(cut) == {"error": "out of memory"}
