@@ -162,23 +162,23 @@ def run_all(order: list[tuple[int, str]], arms: dict[str, list[str]], common: li
             print(f"  {max(left, 0):.0f} s of --budget left, under a run's {need or 0:.0f} s: the rest not started",
                   flush=True)
             return
-        stem = log_dir / f"{key[0] + 1}-{key[1]}"
-        if args.resume and (run := read_run(Path(f"{stem}.json"))) is not None:
+        stem = f"{key[0] + 1}-{key[1]}"  # (not Path.with_suffix: an arm's name may hold a dot)
+        numbers, log = log_dir / f"{stem}.json", log_dir / f"{stem}.log"
+        if args.resume and (run := read_run(numbers)) is not None:
             done[key] = run
-            print(f"  round {key[0] + 1}, {key[1]}: read from {stem}.json (--resume)", flush=True)
+            print(f"  round {key[0] + 1}, {key[1]}: read from {numbers} (--resume)", flush=True)
             continue
-        Path(f"{stem}.json").unlink(missing_ok=True)  # an earlier A/B's numbers in this folder are not this run's
-        cmd = [sys.executable, str(SCRIPT), *common, *arms[key[1]], "--json", f"{stem}.json"]
+        numbers.unlink(missing_ok=True)  # an earlier A/B's numbers in this folder are not this run's
+        cmd = [sys.executable, str(SCRIPT), *common, *arms[key[1]], "--json", str(numbers)]
         print(f"  round {key[0] + 1}, {key[1]}: {shlex.join(cmd[1:])}", flush=True)
         try:
-            status, wall = run_one(cmd, stem.with_suffix(".log"),
-                                   args.timeout if left is None else min(args.timeout, left))
+            status, wall = run_one(cmd, log, args.timeout if left is None else min(args.timeout, left))
         except KeyboardInterrupt:
             done[key] = {"error": "interrupted (SIGTERM / Ctrl-C)"}
             raise
-        run = read_run(Path(f"{stem}.json")) if status == 0 else None
+        run = read_run(numbers) if status == 0 else None
         if run is None:
-            tail = (stem.with_suffix(".log").read_text().strip().splitlines() or ["no output"])[-1]
+            tail = (log.read_text().strip().splitlines() or ["no output"])[-1]
             run = {"error": f"stopped after {wall:.0f} s" if status is None else f"exit {status}: {tail[:150]}"}
         else:
             quickest = wall if quickest is None else min(quickest, wall)

@@ -76,6 +76,7 @@ RECIPE = "qwen_image_flow_grpo"
 DIT_WITH_DECODE_PHASES = ("rollout", "train", "sync")
 WINDOW, NUM_STEPS, GUIDANCE, LORA_RANK, LORA_ALPHA = 2, 10, 4.0, 64, 128
 SMOKE_SIZE, SMOKE_GROUP = 64, 4
+INDUCTOR = "torch._inductor.config"  # the module --inductor KEY=VALUE sets
 
 
 @dataclass
@@ -452,7 +453,7 @@ def set_constant(item: str, module: str | None = None) -> str | None:
 
 def set_inductor(item: str) -> str | None:
     """Set one ``torch._inductor.config`` option from ``KEY=VALUE`` (VALUE a Python literal); the error, or None."""
-    return set_constant(item, module="torch._inductor.config")
+    return set_constant(item, module=INDUCTOR)
 
 
 def constant_value(path: str):
@@ -464,15 +465,14 @@ def constant_value(path: str):
 
 
 def write_json(path: str, argv: list[str], cfg, results: list[LoopResult], steps: int, constants: list[str]) -> None:
-    """The table's numbers for a driver (bench/ab.py): per loop its phases' median seconds, the DiT side and end to
-    end with images/s, and ours' last-step log-prob check and peak memory; the constants as the run ended with them
+    """The table's numbers for a driver (bench/ab.py): per loop its phases' median seconds (the DiT side and end to
+    end among them), its images per step, the last step's metrics (the log-prob check) and peak memory; the constants as the run ended with them
     (``constants``: MODULE.NAME paths)."""
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     loops = []
     for res in results:
         row = {"name": res.name, "error": res.error, "seconds": res.seconds, "images": n, "peak_gib": res.peak_gib}
         if not res.error:
-            row["images_per_second"] = {k: n / res.seconds[k] for k in ("dit", "e2e") if k in res.seconds}
             row["last"] = {k: v for k, v in res.last.items() if isinstance(v, (int, float))}
         loops.append(row)
     device = torch.cuda.get_device_name() if cfg.parallel.device != "cpu" and torch.cuda.is_available() else "cpu"
@@ -575,7 +575,7 @@ def main(argv=None) -> None:
             print_table(cfg, results, steps, notes, args.smoke)
             if args.json:
                 constants = [item.partition("=")[0] for item in args.constant]
-                constants += [f"torch._inductor.config.{item.partition('=')[0]}" for item in args.inductor]
+                constants += [f"{INDUCTOR}.{item.partition('=')[0]}" for item in args.inductor]
                 write_json(args.json, sys.argv[1:] if argv is None else list(argv), cfg, results, steps, constants)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
