@@ -18,13 +18,13 @@ warm-up steps (``--warmup``: 2 under --compile / --compile-train, else 1), then 
 shows the medians of the loop's own metrics:
 * the loop's phases, rollout_seconds (text encoding, the engine's sampling, VAE decode, reward submission;
   split into rollout_sampling_seconds, the engine's generate to its last kernel, and rollout_scoring_seconds,
-  the decode and the submission), reward_seconds (the log-prob check and the wait for the reward threads: they overlap), train_seconds,
-  sync_seconds (the LoRA weight update of the engine), and step_seconds (end to end);
+  the decode and the submission), reward_seconds (the log-prob check and the wait for the reward threads: they
+  overlap), train_seconds, sync_seconds (the LoRA weight update of the engine), and step_seconds (end to end);
 * DiT side = rollout_sampling + train + sync (docs/benchmarks.md's peer loop leaves out the text encoder, the
   VAE, the reward and the sync: ours keeps the sync; the table also shows rollout + train + sync, the DiT side as
-  recorded up to 2026-12-02, with the VAE decode and the reward submission in it); TFLOP per step, TFLOP/s, MFU and images/s are the loop's own
-  (tflops_per_second x step_seconds = the algorithm's FLOP count of the step, LoRA adapters and the log-prob
-  check included); the DiT side's rate is that count over its seconds.
+  recorded up to 2026-12-02, with the VAE decode and the reward submission in it); TFLOP per step, TFLOP/s, MFU and
+  images/s are the loop's own (tflops_per_second x step_seconds = the algorithm's FLOP count of the step, LoRA
+  adapters and the log-prob check included); the DiT side's rate is that count over its seconds.
 The pipeline folder: ``--model DIR`` (a real Qwen-Image snapshot or a folder built before), else a random-init
 folder with Qwen-Image's shapes is written first (megatron_omni.testing.tiny_pipelines.
 build_full_size_qwen_image_pipeline: the transformer at ``--layers`` blocks, 60 = Qwen-Image 20.4 B, ~41 GB in
@@ -466,8 +466,8 @@ def constant_value(path: str):
 
 def write_json(path: str, argv: list[str], cfg, results: list[LoopResult], steps: int, constants: list[str]) -> None:
     """The table's numbers for a driver (bench/ab.py): per loop its phases' median seconds (the DiT side and end to
-    end among them), its images per step, the last step's metrics (the log-prob check) and peak memory; the constants as the run ended with them
-    (``constants``: MODULE.NAME paths)."""
+    end among them), its images per step, the last step's metrics (the log-prob check) and peak memory; the constants
+    as the run ended with them (``constants``: MODULE.NAME paths)."""
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     loops = []
     for res in results:
