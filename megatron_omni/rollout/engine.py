@@ -28,7 +28,7 @@ from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_
 from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.config import EngineConfig
 from megatron_omni.rollout.graphs import ReplayedForward
-from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, per_request_noise, rollout
+from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, drawn_noise, rollout, to_device
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
 from model_specs.common.fp8 import check_fp8_device
 from model_specs.common.rollout_linear import (
@@ -413,13 +413,13 @@ class EmbeddedEngine:
             noise = self.initial_noise or (lambda g, fhw: torch.randn(shape_X, generator=g))
             x_BX = torch.stack([noise(g if p.request.noise_seed is None else
                                       torch.Generator().manual_seed(p.request.noise_seed), r0.img_fhw).float()
-                                for p, g in zip(items, gens)]).to(self._device)
+                                for p, g in zip(items, gens)])
             trained_BN = torch.stack([mask for mask, _ in windows])
-            sig_dev = sigmas_N1.to(self._device)
+            noise_fn = drawn_noise(gens, shape_X, trained_BN, self._device)  # the generators' last draws
+            x_BX, sig_dev = to_device(x_BX, self._device), to_device(sigmas_N1, self._device)
             kept = [[] for _ in items]  # per request: its trained steps' uncond outputs, in step order
             velocity_fn = self._velocity_fn(items, sig_dev, _uncond_recorder(items, trained_BN, kept))
-            lat, lp = rollout(velocity_fn, x_BX, sig_dev, r0.sampler, r0.noise_level,
-                              trained_BN, lambda i, on_B: per_request_noise(gens, shape_X, on_B, self._device),
+            lat, lp = rollout(velocity_fn, x_BX, sig_dev, r0.sampler, r0.noise_level, trained_BN, noise_fn,
                               r0.log_prob_form)
         return [Trajectory(p.request, lat[b], sigmas_N1, lp[b], trained_BN[b], windows[b][1],
                            torch.stack(kept[b]) if kept[b] else None)

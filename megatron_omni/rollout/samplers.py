@@ -150,17 +150,38 @@ def cfg_combine(v_cond_BX, v_uncond_BX, scale: float, rescale: str | None = "tok
     raise ValueError(f"CFG rescale {rescale!r}; expected one of {CFG_RESCALES}")
 
 
+PREFETCH_BYTES = 1 << 30  # a batch's SDE noise up to this size is drawn before its first step (drawn_noise)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting: a copy from pageable memory first waits for every queued
+    kernel (the host then stalls and the GPU idles while it queues the next); from pinned memory it joins the queue."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def per_request_noise(generators: list[torch.Generator], shape_X: tuple[int, ...], active_B: torch.Tensor,
                       device: torch.device | str = "cpu") -> torch.Tensor:
     """z_BX: standard normal from each sample's own (CPU) generator where ``active_B``, zeros elsewhere.
     A generator advances only on its own sample's active steps, so batching never changes a sample."""
     z = torch.stack([torch.randn(shape_X, generator=g) if a else torch.zeros(shape_X)
                      for g, a in zip(generators, active_B)])
-    if torch.device(device).type == "cuda":
-        # a copy from pageable memory first waits for every queued kernel (the step's forward): the host then
-        # stalls and the GPU idles while it queues the next; from pinned memory the copy just joins the queue
-        return z.pin_memory().to(device, non_blocking=True)
-    return z.to(device)
+    return to_device(z, device)
+
+
+def drawn_noise(generators: list[torch.Generator], shape_X: tuple[int, ...], trained_BN: torch.Tensor,
+                device: torch.device | str = "cpu") -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """``rollout``'s noise_fn with every trained step's z_BX drawn now, in one copy to ``device``: the same
+    numbers as per_request_noise step by step (each generator still draws its own active steps in order), but no
+    host work between the denoising steps.  Over ``PREFETCH_BYTES`` (long videos) it draws step by step."""
+    steps = [i for i in range(trained_BN.shape[1]) if bool(trained_BN[:, i].any())]
+    if len(steps) * len(generators) * math.prod(shape_X) * 4 > PREFETCH_BYTES:
+        return lambda i, active_B: per_request_noise(generators, shape_X, active_B, device)
+    z_SBX = to_device(torch.stack([per_request_noise(generators, shape_X, trained_BN[:, i]) for i in steps]), device) \
+        if steps else None
+    at = {i: k for k, i in enumerate(steps)}
+    return lambda i, active_B: z_SBX[at[i]]
 
 
 def rollout(velocity_fn: Callable[[torch.Tensor, int], torch.Tensor], x_BX: torch.Tensor, sigmas_N1: torch.Tensor,
@@ -174,7 +195,7 @@ def rollout(velocity_fn: Callable[[torch.Tensor, int], torch.Tensor], x_BX: torc
     check_kind(kind)
     x_BX = x_BX.float()
     lat, lps = [x_BX], []
-    trained_dev = trained_BN.to(x_BX.device)  # once, before any kernel is queued (see per_request_noise)
+    trained_dev = to_device(trained_BN, x_BX.device)  # once, not per step
     for i in range(sigmas_N1.numel() - 1):
         t, t_next = sigmas_N1[i], sigmas_N1[i + 1]
         v_BX = velocity_fn(x_BX, i).float()

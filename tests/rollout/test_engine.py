@@ -102,6 +102,20 @@ def test_batched_and_one_by_one_rollouts_agree(model):
     assert not torch.equal(batched[0].latents, batched[2].latents)  # same prompt, other seed
 
 
+def test_noise_drawn_before_the_first_step_is_the_step_by_step_noise(model, monkeypatch):
+    """A batch's SDE noise is drawn before its first denoising step (samplers.drawn_noise); over PREFETCH_BYTES it
+    is drawn step by step.  Same requests, same kernels: the trajectories are bit-equal."""
+    from megatron_omni.rollout import samplers
+
+    reqs = _requests()  # SDE and CPS windows, a request without CFG
+    drawn = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=8)).generate(reqs)
+    monkeypatch.setattr(samplers, "PREFETCH_BYTES", 0)
+    stepwise = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=8)).generate(reqs)
+    for a, b in zip(drawn, stepwise):
+        _assert_same(a, b)
+    assert any(bool(t.trained.any()) for t in drawn)
+
+
 @pytest.mark.numerics
 def test_batch_composition_is_invariant_at_four_rows_or_more(model):
     """8 rows vs 2 x 4 rows, requests in the other order.  On the machines measured (AMD EPYC, an AVX-512 Xeon) the

@@ -6,8 +6,9 @@ import pytest
 import torch
 from scipy.stats import norm
 
+from megatron_omni.rollout import samplers
 from megatron_omni.rollout.samplers import (
-    cfg_combine, log_prob, ode_mean_std, per_request_noise, rollout, sde_mean_std, step_mean_std,
+    cfg_combine, drawn_noise, log_prob, ode_mean_std, per_request_noise, rollout, sde_mean_std, step_mean_std,
 )
 from megatron_omni.rollout.schedule import sigmas
 
@@ -164,6 +165,24 @@ def test_per_request_noise_follows_each_generator_alone():
                        torch.randn(2, 3, generator=torch.Generator().manual_seed(2)))  # gen 2 did not advance
 
 
+@pytest.mark.parametrize("prefetch_bytes", [samplers.PREFETCH_BYTES, 0])
+def test_drawn_noise_is_the_step_by_step_noise(monkeypatch, prefetch_bytes):
+    """A batch's noise drawn before its first step (or, over PREFETCH_BYTES, step by step) is per_request_noise's
+    at every trained step: each generator draws its own active steps in order, whatever the other samples do."""
+    monkeypatch.setattr(samplers, "PREFETCH_BYTES", prefetch_bytes)
+    trained = torch.tensor([[False, True, True, False, False],
+                            [False, False, True, True, False],
+                            [False, False, False, False, False]])
+    drawn = drawn_noise([torch.Generator().manual_seed(s) for s in (1, 2, 3)], (2, 3), trained)
+    stepwise = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    for i in (1, 2, 3):  # the steps rollout asks noise for: those with a trained sample
+        assert torch.equal(drawn(i, trained[:, i]), per_request_noise(stepwise, (2, 3), trained[:, i])), i
+    assert torch.equal(drawn(3, trained[:, 3])[0], torch.zeros(2, 3))
+    untrained = drawn_noise([torch.Generator().manual_seed(1)], (2, 3), torch.zeros(1, 4, dtype=torch.bool))
+    with pytest.raises(KeyError):  # no trained step: nothing drawn, nothing to ask for
+        untrained(0, torch.tensor([False]))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_per_request_noise_on_cuda_is_the_cpu_noise_and_a_rollout_reads_it_complete():
@@ -181,13 +200,17 @@ def test_per_request_noise_on_cuda_is_the_cpu_noise_and_a_rollout_reads_it_compl
             torch.mm(busy, busy)
         return -x
 
-    def run(device):
+    def run(device, drawn=False):
         gens = [torch.Generator().manual_seed(s) for s in (4, 5)]
         x = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(9)).to(device)
         trained = torch.tensor([[True, True, False], [False, True, True]])
+        noise_fn = drawn_noise(gens, (8, 4), trained, device) if drawn else \
+            lambda i, on: per_request_noise(gens, (8, 4), on, device)
         return rollout(velocity if device == "cuda" else (lambda x, i: -x), x, sigmas(3, 1.0).to(device), "sde",
-                       0.7, trained, lambda i, on: per_request_noise(gens, (8, 4), on, device))
+                       0.7, trained, noise_fn)
 
-    (lat_g, lp_g), (lat_c, lp_c) = run("cuda"), run("cpu")
-    torch.testing.assert_close(lat_g.cpu(), lat_c, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(lp_g.cpu(), lp_c, rtol=1e-5, atol=1e-5)
+    lat_c, lp_c = run("cpu")
+    for drawn in (False, True):  # the noise copied step by step, or all of it before the first step
+        lat_g, lp_g = run("cuda", drawn)
+        torch.testing.assert_close(lat_g.cpu(), lat_c, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lp_g.cpu(), lp_c, rtol=1e-5, atol=1e-5)
