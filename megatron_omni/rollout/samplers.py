@@ -150,7 +150,7 @@ def cfg_combine(v_cond_BX, v_uncond_BX, scale: float, rescale: str | None = "tok
     raise ValueError(f"CFG rescale {rescale!r}; expected one of {CFG_RESCALES}")
 
 
-PREFETCH_BYTES = 1 << 30  # a batch's SDE noise up to this size is drawn before its first step (drawn_noise)
+PREFETCH_BYTES = 0  # a batch's SDE noise up to this size is drawn before its first step (drawn_noise); 0 until a GPU A/B
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -174,7 +174,8 @@ def drawn_noise(generators: list[torch.Generator], shape_X: tuple[int, ...], tra
                 device: torch.device | str = "cpu") -> Callable[[int, torch.Tensor], torch.Tensor]:
     """``rollout``'s noise_fn with every trained step's z_BX drawn now, in one copy to ``device``: the same
     numbers as per_request_noise step by step (each generator still draws its own active steps in order), but no
-    host work between the denoising steps.  Over ``PREFETCH_BYTES`` (long videos) it draws step by step."""
+    host work between the denoising steps.  Over ``PREFETCH_BYTES`` (the default 0: not yet measured on a GPU; long
+    videos) it draws step by step."""
     steps = [i for i in range(trained_BN.shape[1]) if bool(trained_BN[:, i].any())]
     if len(steps) * len(generators) * math.prod(shape_X) * 4 > PREFETCH_BYTES:
         return lambda i, active_B: per_request_noise(generators, shape_X, active_B, device)

@@ -103,11 +103,12 @@ def test_batched_and_one_by_one_rollouts_agree(model):
 
 
 def test_noise_drawn_before_the_first_step_is_the_step_by_step_noise(model, monkeypatch):
-    """A batch's SDE noise is drawn before its first denoising step (samplers.drawn_noise); over PREFETCH_BYTES it
-    is drawn step by step.  Same requests, same kernels: the trajectories are bit-equal."""
+    """A batch's SDE noise drawn before its first denoising step (samplers.drawn_noise) or, over PREFETCH_BYTES,
+    step by step.  Same requests, same kernels: the trajectories are bit-equal."""
     from megatron_omni.rollout import samplers
 
     reqs = _requests()  # SDE and CPS windows, a request without CFG
+    monkeypatch.setattr(samplers, "PREFETCH_BYTES", 1 << 30)
     drawn = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=8)).generate(reqs)
     monkeypatch.setattr(samplers, "PREFETCH_BYTES", 0)
     stepwise = EmbeddedEngine(model, ARCH, ToyEncoder(), EngineConfig(max_num_seqs=8)).generate(reqs)

@@ -165,7 +165,7 @@ def test_per_request_noise_follows_each_generator_alone():
                        torch.randn(2, 3, generator=torch.Generator().manual_seed(2)))  # gen 2 did not advance
 
 
-@pytest.mark.parametrize("prefetch_bytes", [samplers.PREFETCH_BYTES, 0])
+@pytest.mark.parametrize("prefetch_bytes", [1 << 30, 0])
 def test_drawn_noise_is_the_step_by_step_noise(monkeypatch, prefetch_bytes):
     """A batch's noise drawn before its first step (or, over PREFETCH_BYTES, step by step) is per_request_noise's
     at every trained step: each generator draws its own active steps in order, whatever the other samples do."""
@@ -185,7 +185,7 @@ def test_drawn_noise_is_the_step_by_step_noise(monkeypatch, prefetch_bytes):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_per_request_noise_on_cuda_is_the_cpu_noise_and_a_rollout_reads_it_complete():
+def test_per_request_noise_on_cuda_is_the_cpu_noise_and_a_rollout_reads_it_complete(monkeypatch):
     """The pinned, non-blocking copy gives the device the very CPU draws; a rollout whose forward is still running
     when the copy is queued (a long kernel ahead of it) samples exactly what the same rollout samples on the CPU."""
     active = torch.tensor([True, False, True])
@@ -210,6 +210,7 @@ def test_per_request_noise_on_cuda_is_the_cpu_noise_and_a_rollout_reads_it_compl
                        0.7, trained, noise_fn)
 
     lat_c, lp_c = run("cpu")
+    monkeypatch.setattr(samplers, "PREFETCH_BYTES", 1 << 30)
     for drawn in (False, True):  # the noise copied step by step, or all of it before the first step
         lat_g, lp_g = run("cuda", drawn)
         torch.testing.assert_close(lat_g.cpu(), lat_c, rtol=1e-5, atol=1e-6)
