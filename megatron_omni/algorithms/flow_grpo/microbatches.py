@@ -22,6 +22,7 @@ from dataclasses import replace
 from megatron_omni.algorithms.flow_grpo.step import FlowGRPOMicroBatch
 from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens, real_tokens_of
 from megatron_omni.rollout.engine import EngineConfig, Trajectory
+from megatron_omni.rollout.samplers import to_device
 from model_specs.family import stack_extras
 
 # prompt -> (emb [T, E], mask [T]) or (emb, mask, extras {name: one prompt's tensor}): trainer.build.TextTable
@@ -42,15 +43,6 @@ def _reused_uncond(trajs: list[Trajectory], chunk: list[tuple[int, int]]) -> tor
                              f"Request(keep_uncond_velocity=True) and true CFG")
         rows.append(tr.uncond_velocity[int(tr.trained[:j].cpu().sum())])  # kept in trained-step order
     return torch.stack(rows).float()
-
-
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor on ``device`` without stalling the host: through pinned memory, asynchronously, on a
-    GPU (a pageable host-to-device copy waits for the device's queue to drain)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def without_reused_uncond(mbs: list[FlowGRPOMicroBatch]) -> list[FlowGRPOMicroBatch]:
@@ -122,7 +114,7 @@ def grpo_microbatches(trajs: list[Trajectory], advantages_N: torch.Tensor, text:
         rows = [trajs[i] for i, _ in chunk]
         steps = [j for _, j in chunk]
         # t, t', advantage of each pair: one asynchronous copy from the host
-        t_B, t_next_B, adv_B = _to_device(torch.stack([
+        t_B, t_next_B, adv_B = to_device(torch.stack([
             torch.stack([sigmas[i][j] for i, j in chunk]), torch.stack([sigmas[i][j + 1] for i, j in chunk]),
             advantages_N[[i for i, _ in chunk]]]), device).unbind(0)
         (txt, mask, extras), *negative = _text_rows(rows, text, req.cfg, text_pad_multiple, device, real)
