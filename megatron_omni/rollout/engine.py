@@ -28,7 +28,9 @@ from checkpoints_convert.mapping import Rule, hf_shapes, hf_views, to_mcore, tp_
 from megatron_omni.data.text_layout import pad_rows, padded_length, real_tokens
 from megatron_omni.rollout.config import EngineConfig
 from megatron_omni.rollout.graphs import ReplayedForward
-from megatron_omni.rollout.samplers import CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, drawn_noise, rollout, to_device
+from megatron_omni.rollout.samplers import (
+    CFG_RESCALES, KINDS, LOG_PROB_FORMS, cfg_combine, drawn_noise, rollout, to_device,
+)
 from megatron_omni.rollout.schedule import check_window, sde_window, sigmas
 from model_specs.common.fp8 import check_fp8_device
 from model_specs.common.rollout_linear import (

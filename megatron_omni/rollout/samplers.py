@@ -150,13 +150,13 @@ def cfg_combine(v_cond_BX, v_uncond_BX, scale: float, rescale: str | None = "tok
     raise ValueError(f"CFG rescale {rescale!r}; expected one of {CFG_RESCALES}")
 
 
-PREFETCH_BYTES = 0  # a batch's SDE noise up to this size is drawn before its first step (drawn_noise); 0 until a GPU A/B
+PREFETCH_BYTES = 0  # a batch's SDE noise up to this size is drawn before its first step (drawn_noise); 0: not yet A/B'd
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device`` without waiting: a copy from pageable memory first waits for every queued
     kernel (the host then stalls and the GPU idles while it queues the next); from pinned memory it joins the queue."""
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
